@@ -1,0 +1,1 @@
+"""The rewrite passes, one module each; installed as ``ulysses_compile.passes``."""

@@ -1,0 +1,45 @@
+"""Re-run the rewritten graph on fake tensors and check every value has the local shape its placement
+implies; a mismatch is a bug in a rule and stops compilation instead of computing a wrong answer.
+
+Before: a rewritten graph whose nodes carry global example values. After: the same graph, every node's
+``meta["val"]`` / ``meta["example_value"]`` holding its local fake value (what Inductor reads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp, detect_fake_mode
+from ulysses_compile.errors import InternalError
+from ulysses_compile.sharding import describe, local_shape, sharding_of
+
+
+def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
+    gm.graph.lint()
+    gm.recompile()
+    mode = detect_fake_mode(ctx.example_inputs) or FakeTensorMode()
+    fake_inputs = [
+        mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+        for x in ctx.example_inputs
+    ]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    for node in gm.graph.nodes:
+        sharding = sharding_of(node)
+        local = node.meta.get("val")
+        node.meta["example_value"] = local
+        if (
+            sharding is None
+            or sharding.output is None
+            or isinstance(sharding.output, tuple)
+            or not isinstance(local, torch.Tensor)
+            or not isinstance(sharding.global_value, torch.Tensor)
+        ):
+            continue
+        expected = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+        if tuple(local.shape) != expected:
+            raise InternalError(
+                f"node {node.name} ({node.target}) has local shape {tuple(local.shape)} but placement "
+                f"{describe(sharding.output)} of global shape {tuple(sharding.global_value.shape)} "
+                f"implies {expected}"
+            )

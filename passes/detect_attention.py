@@ -1,0 +1,126 @@
+"""Find every attention site in a Dynamo graph and decide, up front, whether it can be parallelized.
+
+Before (a Dynamo graph)::
+
+    attn = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, ...)
+
+After: the graph is unchanged; ``ctx.sites`` holds one :class:`AttentionSite` per call, with its
+module path, heads, KV heads, head dim, sequence lengths and mask, and ``ctx.seq_lengths`` the
+sequence lengths that propagation may shard. A site that cannot be split raises here, before any
+rewrite: heads or sequence lengths not divisible by the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.errors import DivisibilityError
+
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclass
+class AttentionSite:
+    node: fx.Node
+    form: str
+    module: str
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: fx.Node | None
+    is_causal: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    kv_seq_len: int
+    head_axis: int  # the tensor dim of q/k/v that holds heads ([.., H, S, D] -> ndim - 3)
+    seq_axis: int
+
+    def summary(self) -> str:
+        mask = "causal" if self.is_causal else ("mask" if self.mask is not None else "none")
+        return (
+            f"{self.module or self.node.name}: {self.form}, heads={self.heads}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, seq={self.seq_len}, kv_seq={self.kv_seq_len}, mask={mask}"
+        )
+
+
+def sdpa_arguments(node: fx.Node) -> dict:
+    bound = dict(zip(SDPA_PARAMS, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return path.removeprefix("L['self'].").removeprefix("L['fn'].")
+
+
+def _value(node) -> torch.Tensor:
+    return node.meta["example_value"]
+
+
+def detect_attention(gm: fx.GraphModule, ctx) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            site = _sdpa_site(node)
+            _check_divisibility(site, ctx.world_size)
+            ctx.sites.append(site)
+            ctx.seq_lengths |= {site.seq_len, site.kv_seq_len}
+    ctx.report.attention_sites = list(ctx.sites)
+
+
+def _sdpa_site(node: fx.Node) -> AttentionSite:
+    args = sdpa_arguments(node)
+    q, k = _value(args["query"]), _value(args["key"])
+    if q.dim() < 3:
+        raise DivisibilityError(
+            f"attention {module_path(node) or node.name}: query has shape {tuple(q.shape)}; expected "
+            f"[..., heads, sequence, head_dim] so heads can be split across ranks"
+        )
+    return AttentionSite(
+        node=node,
+        form="scaled_dot_product_attention",
+        module=module_path(node),
+        query=args["query"],
+        key=args["key"],
+        value=args["value"],
+        mask=args.get("attn_mask"),
+        is_causal=bool(args.get("is_causal", False)),
+        heads=q.shape[-3],
+        kv_heads=k.shape[-3],
+        head_dim=q.shape[-1],
+        seq_len=q.shape[-2],
+        kv_seq_len=k.shape[-2],
+        head_axis=q.dim() - 3,
+        seq_axis=q.dim() - 2,
+    )
+
+
+def _check_divisibility(site: AttentionSite, world_size: int) -> None:
+    where = f"attention {site.module or site.node.name} ({site.form})"
+    for what, heads in (("query heads", site.heads), ("key/value heads", site.kv_heads)):
+        if heads % world_size:
+            raise DivisibilityError(
+                f"{where}: {what} = {heads} is not divisible by the {world_size} sequence-parallel ranks; "
+                f"Ulysses gives each rank heads/P heads. Use a number of ranks that divides {heads} "
+                f"(for example {_divisors(heads)}), or a model whose head counts are multiples of {world_size}"
+            )
+    for what, length in (("query sequence length", site.seq_len), ("key sequence length", site.kv_seq_len)):
+        if length % world_size:
+            raise DivisibilityError(
+                f"{where}: {what} = {length} is not divisible by the {world_size} sequence-parallel ranks; "
+                f"pad the batch to a multiple of {world_size} tokens (for example with the tokenizer's "
+                f"pad_to_multiple_of={world_size} and labels -100 on the padding)"
+            )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]

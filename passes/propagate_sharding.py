@@ -1,0 +1,137 @@
+"""Give every node a placement: sequence sharding flows from the inputs of attention to the outputs.
+
+Before::
+
+    emb = F.embedding(input_ids, wte)              # input_ids: [B, S]
+    q = linear(emb, wq).view(B, S, H, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+After: the same graph, each node annotated with ``node.meta["ulysses_sharding"]``::
+
+    emb   S(1)   inputs {input_ids: S(1), wte: R}  # input_ids arrives sliced to this rank's tokens
+    q     S(2)                                      # view: local shape (B, S/P, H, D) at rewrite
+    out   S(2)   inputs {q: S(2), k: S(2), v: S(2)}
+
+Graph inputs are global (every rank passes the same batch), so they start Replicate. Sharding starts
+where it pays: at a node on the way to an attention's q/k/v (and not to its mask, which must stay
+whole) whose inputs are all replicated, the first
+non-parameter input is offered sharded along its sequence dim; if the op's rule accepts that, the
+input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
+no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.report import Fallback
+from ulysses_compile.sharding import (
+    PLACEMENT_KEY,
+    REPLICATE,
+    NodeSharding,
+    Partial,
+    Shard,
+    is_rank_local,
+    is_sharded,
+)
+
+from .rules import RuleView, replicate_all, rule_for
+
+
+def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
+    feeds_attention = _ancestors(n for site in ctx.sites for n in (site.query, site.key, site.value))
+    feeds_attention -= _ancestors(site.mask for site in ctx.sites if site.mask is not None)
+    site_nodes = {site.node for site in ctx.sites}
+    view = RuleView(_output_placement, ctx.world_size)
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op in ("placeholder", "get_attr"):
+            node.meta[PLACEMENT_KEY] = NodeSharding(_replicated_like(value), value)
+        elif node.op == "output":
+            continue
+        else:
+            node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes)
+
+
+def _output_placement(node: fx.Node):
+    sharding = node.meta.get(PLACEMENT_KEY)
+    return sharding.output if sharding is not None else None
+
+
+def _replicated_like(value):
+    if isinstance(value, torch.Tensor):
+        return REPLICATE
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(REPLICATE if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool) -> NodeSharding:
+    rule = rule_for(node)
+    tensor_args = view.tensor_args(node)
+    placements = [view.placement(arg) for arg in tensor_args]
+    partial_inputs = {arg: REPLICATE for arg, p in zip(tensor_args, placements) if isinstance(p, Partial)}
+    if partial_inputs:
+        # Rules see reduced values: a partial sum is all-reduced before any op that is not a sum.
+        view = RuleView(view._placement_of, view.world_size, dict(partial_inputs))
+    if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
+        seeded = _seed(node, value, view, ctx, rule) if on_attention_path and rule else None
+        return seeded or NodeSharding(_replicated_like(value), value)
+    decision = rule(node, view) if rule else None
+    if decision is None:
+        reason = "no sharding rule for this op" if rule is None else "its sharded inputs cannot stay sharded here"
+        return _fallback(node, value, view, ctx, reason)
+    return NodeSharding(decision.output, value, {**partial_inputs, **decision.inputs}, decision.localize)
+
+
+def _seed(node, value, view, ctx, rule) -> NodeSharding | None:
+    for arg in view.tensor_args(node):
+        if arg in ctx.parameters:
+            continue
+        dim = _sequence_dim(view.value(arg), ctx.seq_lengths)
+        if dim is None:
+            continue
+        seeded_view = RuleView(view._placement_of, view.world_size, {**view.overrides, arg: Shard(dim)})
+        decision = rule(node, seeded_view)
+        if decision is not None and is_sharded(decision.output):
+            return NodeSharding(decision.output, value, decision.inputs, decision.localize)
+        return None
+    return None
+
+
+def _sequence_dim(value, seq_lengths) -> int | None:
+    """The dim of a replicated tensor that holds the sequence: a dim of a sequence length, preferring
+    the last such dim that is not the feature (last) dim, so [B, S] and [B, S, H] pick S."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    dims = [d for d, size in enumerate(value.shape) if size in seq_lengths]
+    if len(dims) > 1 and dims[-1] == value.dim() - 1:
+        dims = dims[:-1]
+    return dims[-1] if dims else None
+
+
+def _fallback(node, value, view, ctx, reason) -> NodeSharding:
+    sharded_inputs = [arg.name for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
+    source = (node.meta.get("stack_trace") or "").strip().splitlines()
+    ctx.report.fallbacks.append(
+        Fallback(
+            node=node.name,
+            op=str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target)),
+            reason=f"{reason}; gathered {', '.join(sharded_inputs)}",
+            source=" / ".join(line.strip() for line in source[-2:]),
+        )
+    )
+    return NodeSharding(_replicated_like(value), value, replicate_all(view, node), fallback=reason)
+
+
+def _ancestors(nodes) -> set[fx.Node]:
+    pending = list(nodes)
+    seen: set[fx.Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        pending.extend(node.all_input_nodes)
+    return seen

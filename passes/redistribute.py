@@ -1,0 +1,124 @@
+"""Make every input arrive in the placement its consumer asked for, and outputs in the user's.
+
+Before (placements from propagate_sharding)::
+
+    emb = F.embedding(input_ids, wte)        # wants input_ids S(1), has R
+    logits = linear(h, w_out)                # h S(1), w_out R and requires grad
+    return (loss, logits)                    # logits S(1)
+
+After::
+
+    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)   # a free local slice
+    emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
+    logits = linear(h, sync_grad(w_out, group))
+    return (loss, gather_seq(logits, 1, 1, 1, rank, P, group))
+
+A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
+shared by all such uses, so its gradient is summed over ranks inside the backward graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.collectives import gather_seq, insert_call, reduce_partial, scatter_seq, sync_grad
+from ulysses_compile.sharding import (
+    PLACEMENT_KEY,
+    REPLICATE,
+    NodeSharding,
+    Partial,
+    Replicate,
+    is_rank_local,
+    seq_factors,
+    sharding_of,
+)
+
+
+class _Redistributor:
+    def __init__(self, graph: fx.Graph, ctx):
+        self.graph = graph
+        self.ctx = ctx
+        self.converted: dict[tuple[fx.Node, object], fx.Node] = {}
+        self.synced: dict[fx.Node, fx.Node] = {}
+
+    def to(self, node: fx.Node, have, want) -> fx.Node:
+        if have == want:
+            return node
+        key = (node, want)
+        if key not in self.converted:
+            self.converted[key] = self._convert(node, have, want)
+        return self.converted[key]
+
+    def _convert(self, node, have, want) -> fx.Node:
+        ctx = self.ctx
+        if isinstance(have, Partial):
+            node = self._insert(reduce_partial, (node, ctx.group_name), node, REPLICATE)
+            have = REPLICATE
+        if have == want:
+            return node
+        if seq_factors(have) is not None:
+            node = self._insert(gather_seq, (node, *seq_factors(have), ctx.rank, ctx.world_size, ctx.group_name),
+                                node, REPLICATE)
+            have = REPLICATE
+        if have == want:
+            return node
+        if isinstance(want, Partial):
+            raise AssertionError(f"no conversion to Partial for {node.name}")
+        return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
+                            node, want)
+
+    def _insert(self, fn, args, after: fx.Node, placement) -> fx.Node:
+        new = insert_call(self.graph, fn, args, after=after)
+        source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
+        new.meta[PLACEMENT_KEY] = NodeSharding(placement, source.global_value if source else None)
+        new.meta["ulysses_requires_grad"] = _requires_grad(args[0])
+        return new
+
+    def synced_for_local_use(self, node: fx.Node) -> fx.Node:
+        if node not in self.synced:
+            self.synced[node] = self._insert(sync_grad, (node, self.ctx.group_name), node, REPLICATE)
+        return self.synced[node]
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    if "ulysses_requires_grad" in node.meta:
+        return node.meta["ulysses_requires_grad"]
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def redistribute(gm: fx.GraphModule, ctx) -> None:
+    graph = gm.graph
+    redistributor = _Redistributor(graph, ctx)
+    for node in list(graph.nodes):
+        sharding = sharding_of(node)
+        if node.op == "output":
+            _redistribute_outputs(node, redistributor, ctx)
+            continue
+        if sharding is None or "ulysses_inserted" in node.meta:
+            continue
+        local_op = is_rank_local(sharding.output)
+        for arg in dict.fromkeys(node.all_input_nodes):
+            have = sharding_of(arg).output if sharding_of(arg) else None
+            if have is None or isinstance(have, tuple):
+                continue
+            want = sharding.inputs.get(arg, REPLICATE)
+            new = redistributor.to(arg, have, want)
+            if local_op and isinstance(want, Replicate) and _requires_grad(new):
+                new = redistributor.synced_for_local_use(new)
+            if new is not arg:
+                node.replace_input_with(arg, new)
+
+
+def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -> None:
+    def convert(arg):
+        sharding = sharding_of(arg)
+        if sharding is None or sharding.output is None or isinstance(sharding.output, tuple):
+            return arg
+        have = sharding.output
+        if ctx.options.outputs == "local" and not isinstance(have, Partial):
+            return arg
+        return redistributor.to(arg, have, REPLICATE)
+
+    output.args = fx.node.map_arg(output.args, convert)

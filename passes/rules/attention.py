@@ -1,0 +1,27 @@
+"""Attention sites, seen from outside: sequence-sharded q/k/v in, sequence-sharded output out.
+
+Inside, passes/insert_all_to_all.py trades the sequence sharding for head sharding and back. The mask
+must arrive whole (Replicate): after the all-to-all each rank attends over the full sequence.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Shard
+
+from ulysses_compile.sharding import REPLICATE
+
+from ..detect_attention import SDPA_TARGETS, sdpa_arguments
+
+from . import Decision, register
+
+
+@register(*SDPA_TARGETS)
+def sdpa_rule(node, view):
+    args = sdpa_arguments(node)
+    q, k, v, mask = args["query"], args["key"], args["value"], args.get("attn_mask")
+    seq_axis = view.value(q).dim() - 2
+    demands = {q: Shard(seq_axis), k: Shard(seq_axis), v: Shard(seq_axis)}
+    if isinstance(mask, fx.Node):
+        demands[mask] = REPLICATE
+    return Decision(Shard(seq_axis), demands)

@@ -1,0 +1,80 @@
+"""Elementwise ops with broadcasting: the output is sharded where a sharded input lines up with it.
+
+A replicated operand that spans the whole sequence (RoPE's cos/sin, a learned position table) is
+sliced to the rank's block; one that broadcasts over the sequence (a norm weight, a scalar) is used
+as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ulysses_compile.sharding import REPLICATE, seq_shard
+
+from . import Decision, register
+
+UNARY_FUNCTIONS = (
+    torch.abs, torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt, torch.tanh,
+    torch.sigmoid, torch.relu, torch.erf, torch.neg, torch.clamp, torch.nan_to_num, torch.square,
+    operator.neg, operator.pos, operator.invert, operator.not_,
+    F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.softplus, F.sigmoid, F.tanh, F.hardtanh,
+    F.dropout, F.relu6, F.selu, F.celu, F.logsigmoid, F.hardswish, F.hardsigmoid,
+    torch._C._nn.gelu, torch._C._nn.silu,
+)
+BINARY_FUNCTIONS = (
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+    operator.pow, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
+    operator.le, operator.gt, operator.ge, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.maximum, torch.minimum, torch.where,
+    torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and,
+    torch.logical_or, torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.lerp, torch.addcmul,
+    torch.addcdiv, torch.true_divide, torch.floor_divide, torch.remainder, torch.fmod, torch.atan2,
+)
+METHODS = (
+    "abs", "cos", "sin", "exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid", "relu", "neg", "clamp",
+    "square", "float", "half", "bfloat16", "double", "int", "long", "bool", "to", "type", "type_as",
+    "contiguous", "clone", "detach", "add", "sub", "mul", "div", "pow", "masked_fill", "where", "eq",
+    "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "lerp", "logical_and", "logical_or",
+    "logical_not", "__and__", "__or__", "__invert__", "floor_divide", "remainder", "fmod", "erf",
+    "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_", "pow_", "float_power",
+    "reciprocal", "sign", "softplus", "requires_grad_", "nan_to_num",
+)
+
+
+@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *METHODS)
+def pointwise(node, view):
+    out = view.value(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    inputs = view.tensor_args(node)
+    targets = set()
+    for arg in inputs:
+        factors = view.sharded(arg)
+        if factors is not None:
+            dim, outer, inner = factors
+            out_dim = dim + out.dim() - view.value(arg).dim()
+            if view.value(arg).shape[dim] != out.shape[out_dim]:
+                return None
+            targets.add((out_dim, outer, inner))
+    if len(targets) != 1:
+        return None
+    (out_dim, outer, inner), = targets
+    demands = {}
+    for arg in inputs:
+        value = view.value(arg)
+        dim = out_dim - (out.dim() - value.dim())
+        if dim < 0 or value.shape[dim] == 1:
+            demands[arg] = REPLICATE
+        elif value.shape[dim] == out.shape[out_dim]:
+            demands[arg] = seq_shard(dim, outer, inner)
+        else:
+            return None
+    if node.op == "call_method" and node.target.endswith("_"):
+        # An in-place op must update the tensor it was given, not a converted copy of it.
+        self_arg = node.args[0]
+        if demands.get(self_arg) != view.placement(self_arg):
+            return None
+    return Decision(seq_shard(out_dim, outer, inner), demands)

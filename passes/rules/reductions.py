@@ -1,0 +1,115 @@
+"""Reductions and normalizations.
+
+Over dims other than the sequence they stay local. A sum over the sequence becomes ``Partial`` (each
+rank sums its block); a mean over it becomes the rank's mean divided by P, also ``Partial``, since all
+blocks have S/P elements. Other reductions over the sequence (max, norms, cumsum) fall back.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
+
+from . import Decision, method_or_function_args, normalize_dim, register
+
+
+def _reduced_dims(node, value) -> list[int] | None:
+    args = method_or_function_args(node, ("input", "dim", "keepdim"))
+    dim = args.get("dim")
+    if dim is None:
+        return list(range(value.dim()))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return [normalize_dim(d, value.dim()) for d in dims]
+
+
+def _keepdim(node) -> bool:
+    return bool(method_or_function_args(node, ("input", "dim", "keepdim")).get("keepdim", False))
+
+
+def _scale_by_inverse_world(node: fx.Node, sharding, ctx) -> None:
+    graph = node.graph
+    with graph.inserting_after(node):
+        scaled = graph.call_function(operator.truediv, (node, ctx.world_size))
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+def _reduction(partial_ok: bool, scale: bool):
+    def rule(node, view):
+        source = node.args[0] if node.args else node.kwargs["input"]
+        factors = view.sharded(source)
+        if factors is None:
+            return None
+        value = view.value(source)
+        dims = _reduced_dims(node, value)
+        dim = factors[0]
+        outputs = view.value(node)
+        if dim in dims:
+            if not partial_ok or isinstance(outputs, tuple):
+                return None
+            return Decision(PARTIAL, {source: view.placement(source)}, _scale_by_inverse_world if scale else None)
+        new_dim = dim if _keepdim(node) else dim - sum(1 for d in dims if d < dim)
+        placement = with_dim(view.placement(source), new_dim)
+        if isinstance(outputs, tuple):  # (values, indices)
+            placement = tuple(placement for _ in outputs)
+        return Decision(placement, {source: view.placement(source)})
+
+    return rule
+
+
+register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, scale=False))
+register("mean", torch.mean)(_reduction(partial_ok=True, scale=True))
+register(
+    "amax", torch.amax, "amin", torch.amin, "max", torch.max, "min", torch.min, "prod", torch.prod,
+    "var", torch.var, "std", torch.std, "norm", torch.norm, "logsumexp", torch.logsumexp, "all", torch.all,
+    "any", torch.any, "argmax", torch.argmax, "argmin", torch.argmin, "count_nonzero",
+)(_reduction(partial_ok=False, scale=False))
+
+
+def _along_dim(dim_param_index: int):
+    """Softmax-like ops that work along one dim: local unless that dim is the sequence."""
+
+    def rule(node, view):
+        source = node.args[0] if node.args else node.kwargs["input"]
+        factors = view.sharded(source)
+        if factors is None:
+            return None
+        dim = node.args[dim_param_index] if len(node.args) > dim_param_index else node.kwargs.get("dim")
+        if dim is None or normalize_dim(dim, view.value(source).dim()) == factors[0]:
+            return None
+        return Decision(view.placement(source), {source: view.placement(source)})
+
+    return rule
+
+
+register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumsum",
+         torch.cumsum, "cumprod", torch.cumprod)(_along_dim(1))
+
+
+def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):
+    def rule(node, view):
+        args = method_or_function_args(node, params)
+        x = args["input"]
+        factors = view.sharded(x)
+        if factors is None:
+            return None
+        normalized = len(args["normalized_shape"])
+        if factors[0] >= view.value(x).dim() - normalized:
+            return None
+        demands = {x: view.placement(x)}
+        for name in weight_params:
+            if isinstance(args.get(name), fx.Node):
+                demands[args[name]] = REPLICATE
+        return Decision(view.placement(x), demands)
+
+    return rule
+
+
+register(F.layer_norm, torch.layer_norm)(
+    _normalization(("input", "normalized_shape", "weight", "bias", "eps"), ("weight", "bias"))
+)
+register(F.rms_norm, torch.rms_norm)(_normalization(("input", "normalized_shape", "weight", "eps"), ("weight",)))

@@ -1,0 +1,245 @@
+"""Views, dim shuffles, indexing, splits and concatenation: where the sequence dim goes, and its local size.
+
+A view keeps the sequence sharded when the sequence stays inside one output dim, possibly merged with
+neighbours (``[B, S, V] -> [B*S, V]`` gives ``MergedShard(0, outer=B, inner=1)``). Its shape argument
+is rewritten to the local shape. Slicing the sequence itself, or splitting it across dims, falls back.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.sharding import REPLICATE, local_shape, seq_shard, with_dim
+
+from . import Decision, normalize_dim, register
+
+
+def _flat_position(shape, dim, outer, inner):
+    return math.prod(shape[:dim]) * outer, shape[dim] // (outer * inner)
+
+
+def view_placement(in_shape, out_shape, factors):
+    """Where a sharded sequence lands after a view from ``in_shape`` to ``out_shape``, or None."""
+    dim, outer, inner = factors
+    before, seq = _flat_position(in_shape, dim, outer, inner)
+    cum = 1
+    for out_dim, size in enumerate(out_shape):
+        if cum * size > before:
+            if before % cum or size % ((before // cum) * seq):
+                return None
+            new_outer = before // cum
+            return seq_shard(out_dim, new_outer, size // (new_outer * seq))
+        cum *= size
+    return None
+
+
+def _localize_view(method: str):
+    def localize(node: fx.Node, sharding, ctx) -> None:
+        shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+        node.op, node.target = "call_method", method
+        node.args, node.kwargs = (node.args[0], shape), {}
+
+    return localize
+
+
+@register("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
+          "reshape_as")
+def view_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    out = view.value(node)
+    if factors is None or not isinstance(out, torch.Tensor):
+        return None
+    placement = view_placement(tuple(view.value(source).shape), tuple(out.shape), factors)
+    if placement is None:
+        return None
+    method = "view" if node.target in ("view", "view_as") else "reshape"
+    return Decision(placement, {source: view.placement(source)}, _localize_view(method))
+
+
+def _localize_expand(node: fx.Node, sharding, ctx) -> None:
+    shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+    node.op, node.target = "call_method", "expand"
+    node.args, node.kwargs = (node.args[0], shape), {}
+
+
+@register("expand")
+def expand_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    out = view.value(node)
+    if factors is None:
+        return None
+    dim, outer, inner = factors
+    out_dim = dim + out.dim() - view.value(source).dim()
+    if out.shape[out_dim] != view.value(source).shape[dim]:
+        return None
+    return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)}, _localize_expand)
+
+
+def _dim_map_rule(mapping):
+    """A rule for ops that only move dims: ``mapping(node, in_ndim, out_ndim)`` maps input dim -> output dim."""
+
+    def rule(node, view):
+        source = node.args[0] if node.args else node.kwargs.get("input")
+        factors = view.sharded(source)
+        if factors is None:
+            return None
+        in_value, out = view.value(source), view.value(node)
+        out_dim = mapping(node, factors[0], in_value, out)
+        if out_dim is None:
+            return None
+        return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)})
+
+    return rule
+
+
+def _dims_arg(node):
+    dims = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    return list(dims)
+
+
+def _transpose(node, dim, in_value, out):
+    a, b = (normalize_dim(d, in_value.dim()) for d in _dims_arg(node)[:2])
+    return b if dim == a else a if dim == b else dim
+
+
+def _permute(node, dim, in_value, out):
+    dims = [normalize_dim(d, in_value.dim()) for d in _dims_arg(node)]
+    return dims.index(dim)
+
+
+def _movedim(node, dim, in_value, out):
+    src, dst = _dims_arg(node)[:2]
+    order = list(range(in_value.dim()))
+    src_list = [normalize_dim(d, in_value.dim()) for d in (src if isinstance(src, (list, tuple)) else [src])]
+    dst_list = [normalize_dim(d, in_value.dim()) for d in (dst if isinstance(dst, (list, tuple)) else [dst])]
+    rest = [d for d in order if d not in src_list]
+    result = [None] * in_value.dim()
+    for s, d in zip(src_list, dst_list):
+        result[d] = s
+    it = iter(rest)
+    result = [r if r is not None else next(it) for r in result]
+    return result.index(dim)
+
+
+def _unsqueeze(node, dim, in_value, out):
+    new = normalize_dim(_dims_arg(node)[0], out.dim())
+    return dim + 1 if new <= dim else dim
+
+
+def _squeeze(node, dim, in_value, out):
+    dims = _dims_arg(node)
+    squeezed = (
+        [normalize_dim(d, in_value.dim()) for d in dims]
+        if dims
+        else [d for d in range(in_value.dim()) if in_value.shape[d] == 1]
+    )
+    squeezed = [d for d in squeezed if in_value.shape[d] == 1]
+    if dim in squeezed:
+        return None
+    return dim - sum(1 for d in squeezed if d < dim)
+
+
+register("transpose", torch.transpose, "swapaxes", torch.swapaxes)(_dim_map_rule(_transpose))
+register("permute", torch.permute)(_dim_map_rule(_permute))
+register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
+register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
+register("squeeze", torch.squeeze)(_dim_map_rule(_squeeze))
+
+
+def _is_full_slice(entry, size) -> bool:
+    return (
+        isinstance(entry, slice)
+        and entry.start in (None, 0)
+        and (entry.stop is None or (isinstance(entry.stop, int) and entry.stop >= size))
+        and entry.step in (None, 1)
+    )
+
+
+@register(operator.getitem)
+def getitem_rule(node, view):
+    source, index = node.args
+    placement = view.placement(source)
+    if isinstance(placement, tuple):
+        return Decision(placement[index], {})
+    factors = view.sharded(source)
+    if factors is None:
+        return None
+    dim = factors[0]
+    value = view.value(source)
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(e, (fx.Node, torch.Tensor, list)) for e in entries):
+        return None
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        used = sum(1 for e in entries if e is not None and e is not Ellipsis)
+        entries[at : at + 1] = [slice(None)] * (value.dim() - used)
+    entries += [slice(None)] * (value.dim() - sum(1 for e in entries if e is not None))
+    in_dim = out_dim = 0
+    for entry in entries:
+        if entry is None:
+            out_dim += 1
+            continue
+        if in_dim == dim:
+            if not _is_full_slice(entry, value.shape[dim]):
+                return None
+            return Decision(with_dim(placement, out_dim), {source: placement})
+        if isinstance(entry, slice):
+            out_dim += 1
+        in_dim += 1
+    return None
+
+
+def _split_dim(node):
+    if node.target in ("unbind", torch.unbind):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    else:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim
+
+
+@register("split", torch.split, "chunk", torch.chunk, "unbind", torch.unbind, "tensor_split", torch.tensor_split)
+def split_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    outs = view.value(node)
+    if factors is None or not isinstance(outs, (tuple, list)):
+        return None
+    dim = normalize_dim(_split_dim(node), view.value(source).dim())
+    if dim == factors[0]:
+        return None
+    placement = view.placement(source)
+    if node.target in ("unbind", torch.unbind):
+        placement = with_dim(placement, factors[0] - (1 if dim < factors[0] else 0))
+    return Decision(tuple(placement for _ in outs), {source: view.placement(source)})
+
+
+def _is_legacy_empty(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+
+
+@register(torch.cat, torch.concat, torch.concatenate, torch.stack)
+def cat_rule(node, view):
+    tensors = node.args[0] if node.args else node.kwargs["tensors"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    parts = [t for t in tensors if not _is_legacy_empty(view.value(t))]
+    sharded = [view.placement(t) for t in parts if view.sharded(t) is not None]
+    if not sharded or any(p != sharded[0] for p in sharded):
+        return None
+    ndim = view.value(parts[0]).dim()
+    stacking = node.target is torch.stack
+    dim = normalize_dim(dim, ndim + 1 if stacking else ndim)
+    seq_dim = sharded[0].dim
+    if not stacking and dim == seq_dim:
+        if len(parts) != 1:
+            return None
+        return Decision(sharded[0], {parts[0]: sharded[0]})
+    out_placement = with_dim(sharded[0], seq_dim + 1 if stacking and dim <= seq_dim else seq_dim)
+    return Decision(out_placement, {t: sharded[0] for t in parts})

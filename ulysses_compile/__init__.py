@@ -1,0 +1,19 @@
+"""ulysses_compile: ``torch.compile(model, backend="ulysses")`` runs DeepSpeed-Ulysses sequence
+parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
+
+from .backend import ulysses
+from .compat import register_torch_log
+from .errors import DivisibilityError, InternalError, OptionsError, UlyssesError, VerificationError
+from .options import Options
+
+register_torch_log("ulysses_compile")
+
+__all__ = [
+    "DivisibilityError",
+    "InternalError",
+    "Options",
+    "OptionsError",
+    "UlyssesError",
+    "VerificationError",
+    "ulysses",
+]

@@ -1,0 +1,60 @@
+"""The ``ulysses`` torch.compile backend: options -> pipeline -> inner compiler."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch.fx as fx
+
+from .compat import aot_autograd, compile_fx
+from .context import PassContext
+from .options import Options
+from .pipeline import run_pipeline
+from .verify import verified
+
+log = logging.getLogger("ulysses_compile")
+
+
+def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """``torch.compile(model, backend="ulysses", options={...})`` lands here once per captured graph."""
+    opts = Options.parse(options)
+    group = opts.process_group()
+    if group is None or group.size() == 1:
+        log.info(
+            "ulysses_compile: %s; compiling with %s as torch.compile would",
+            "torch.distributed is not initialized" if group is None else "the process group has 1 rank",
+            opts.compiler,
+        )
+        return inner_compile(gm, example_inputs, opts.compiler, mode)
+    original = copy.deepcopy(gm) if opts.verify else None
+    ctx = PassContext(
+        world_size=group.size(),
+        rank=group.rank(),
+        group_name=group.group_name,
+        options=opts,
+        example_inputs=list(example_inputs),
+        parameters=PassContext.parameter_placeholders(gm, example_inputs),
+    )
+    run_pipeline(gm, ctx)
+    compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
+    if original is not None:
+        return verified(compiled, original, ctx)
+    return compiled
+
+
+def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
+    if compiler == "inductor":
+        from torch._inductor import list_mode_options
+
+        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
+    if compiler == "aot_eager":
+        return aot_autograd(fw_compiler=_boxed_eager, bw_compiler=_boxed_eager)(gm, example_inputs)
+    return gm.forward
+
+
+def _boxed_eager(gm: fx.GraphModule, example_inputs):
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+

@@ -1,0 +1,40 @@
+"""The one place that imports private torch APIs, so a torch upgrade breaks in one file."""
+
+from torch._dynamo.backends.common import aot_autograd
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import compile_fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._functional_collectives import (
+    all_gather_tensor,
+    all_reduce,
+    all_to_all_single,
+)
+from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+__all__ = [
+    "FakeTensor",
+    "FakeTensorMode",
+    "c10d_functional",
+    "FakeTensorProp",
+    "_get_group_size_by_name",
+    "_resolve_process_group",
+    "all_gather_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "aot_autograd",
+    "compile_fx",
+    "detect_fake_mode",
+]
+
+import torch  # noqa: E402
+
+c10d_functional = torch.ops._c10d_functional
+
+
+def register_torch_log(name: str) -> None:
+    """Make ``TORCH_LOGS="+ulysses_compile"`` control the ``ulysses_compile`` logger."""
+    from torch._logging._internal import log_registry, register_log
+
+    if name not in log_registry.log_alias_to_log_qnames:
+        register_log(name, name)

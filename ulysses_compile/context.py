@@ -1,0 +1,36 @@
+"""What every pass receives: the group, this rank, the options, and the report being written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .options import Options
+from .report import Report
+
+
+@dataclass
+class PassContext:
+    world_size: int
+    rank: int
+    group_name: str
+    options: Options
+    example_inputs: list
+    report: Report = field(default_factory=Report)
+    sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
+    parameters: set[fx.Node] = field(default_factory=set)  # placeholders holding parameters/buffers
+
+    def __post_init__(self):
+        self.seq_lengths: set[int] = set()
+
+    @staticmethod
+    def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = set()
+        for node, value in zip(placeholders, example_inputs):
+            name = node.target
+            if isinstance(value, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name:
+                found.add(node)
+        return found

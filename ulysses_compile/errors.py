@@ -1,0 +1,21 @@
+"""Every error this package raises on purpose is a :class:`UlyssesError`."""
+
+
+class UlyssesError(RuntimeError):
+    """Base class: the message names what was found, where, what was expected and what to do."""
+
+
+class OptionsError(UlyssesError, ValueError):
+    """An option passed through ``torch.compile(..., options=...)`` is unknown or has a wrong value."""
+
+
+class DivisibilityError(UlyssesError):
+    """Heads or the sequence length cannot be split evenly over the sequence-parallel ranks."""
+
+
+class VerificationError(UlyssesError):
+    """``options={"verify": True}`` found the compiled program disagreeing with eager execution."""
+
+
+class InternalError(UlyssesError):
+    """A self-check of the rewrite failed; this is a bug in ulysses_compile, please report it."""

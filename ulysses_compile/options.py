@@ -1,0 +1,73 @@
+"""``torch.compile(model, backend="ulysses", options={...})``: the keys, their checks and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import OptionsError
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+OUTPUT_MODES = ("gather", "local")
+
+
+@dataclass(frozen=True)
+class Options:
+    group: Any = None  # a ProcessGroup; None means the default group
+    mesh: Any = None  # a DeviceMesh with a dim named "sp"
+    outputs: str = "gather"  # "gather": sequence-sharded outputs are all-gathered; "local": kept sharded
+    compiler: str = "inductor"
+    verify: bool = False  # compare each graph's first call against eager execution
+
+    @classmethod
+    def parse(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise OptionsError(
+                f"unknown ulysses option(s) {unknown}; valid options are {valid} "
+                f"(see the README's Options table)"
+            )
+        parsed = cls(**options)
+        parsed._check()
+        return parsed
+
+    def _check(self) -> None:
+        if self.compiler not in COMPILERS:
+            raise OptionsError(f"option compiler={self.compiler!r}: expected one of {list(COMPILERS)}")
+        if self.outputs not in OUTPUT_MODES:
+            raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
+        if not isinstance(self.verify, bool):
+            raise OptionsError(f"option verify={self.verify!r}: expected True or False")
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+            raise OptionsError(
+                f"option group={self.group!r}: expected a torch.distributed.ProcessGroup "
+                f"(for example dist.new_group(ranks)); pass a DeviceMesh as mesh= instead"
+            )
+        if self.mesh is not None:
+            if self.group is not None:
+                raise OptionsError("options group and mesh were both given: pass one of them")
+            names = tuple(self.mesh.mesh_dim_names or ())
+            if "sp" not in names:
+                raise OptionsError(
+                    f"option mesh has dims {names}; expected a dim named 'sp' for sequence "
+                    f"parallelism, e.g. init_device_mesh('cpu', (P,), mesh_dim_names=('sp',))"
+                )
+            if set(names) - {"sp"}:
+                raise OptionsError(
+                    f"option mesh has dims {names}; only a 1-D mesh named ('sp',) is supported "
+                    f"in this version (data x sequence meshes are tracked in issue 4)"
+                )
+
+    def process_group(self):
+        """The sequence-parallel group, or None when torch.distributed is not initialized."""
+        if self.mesh is not None:
+            return self.mesh.get_group("sp")
+        if self.group is not None:
+            return self.group
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None

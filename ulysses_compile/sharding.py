@@ -1,0 +1,120 @@
+"""Placements of graph values over the sequence-parallel ranks, kept in one typed ``node.meta`` key.
+
+A value is ``Replicate()`` (every rank holds the whole global tensor), ``Shard(d)`` (rank r holds the
+r-th of P equal contiguous blocks of dim d, which is the sequence), ``Partial()`` (the global value is
+the sum of the ranks' values) or ``MergedShard(d, outer, inner)``: dim d merges the sequence with
+other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is sharded, so a
+rank holds ``outer`` separate blocks. DTensor has no public placement for that last case.
+
+Every node of a rewritten graph carries ``node.meta[PLACEMENT_KEY]``: a :class:`NodeSharding` with the
+node's global shape, its output placement and the placement each tensor argument must arrive in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+PLACEMENT_KEY = "ulysses_sharding"
+
+
+@dataclass(frozen=True)
+class MergedShard:
+    dim: int
+    outer: int
+    inner: int
+
+    def __repr__(self) -> str:
+        return f"MergedShard(dim={self.dim}, outer={self.outer}, inner={self.inner})"
+
+
+Placement = Union[Replicate, Shard, Partial, MergedShard]
+# A node's output placement: one placement, None for a non-tensor value, or a tuple for tuple outputs.
+OutputPlacement = Union[Placement, None, tuple]
+
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def seq_shard(dim: int, outer: int = 1, inner: int = 1) -> Placement:
+    """The canonical placement for a sequence sharded inside dim ``dim`` as ``[outer, S, inner]``."""
+    if outer == 1 and inner == 1:
+        return Shard(dim)
+    return MergedShard(dim, outer, inner)
+
+
+def seq_factors(placement: Placement) -> tuple[int, int, int] | None:
+    """``(dim, outer, inner)`` of a sequence-sharded placement, None for Replicate and Partial."""
+    if isinstance(placement, Shard):
+        return placement.dim, 1, 1
+    if isinstance(placement, MergedShard):
+        return placement.dim, placement.outer, placement.inner
+    return None
+
+
+def is_sharded(placement: OutputPlacement) -> bool:
+    if isinstance(placement, tuple):
+        return any(is_sharded(p) for p in placement)
+    return seq_factors(placement) is not None
+
+
+def is_rank_local(placement: OutputPlacement) -> bool:
+    """True when ranks hold different values (sharded or partial), so gradients flowing back are too."""
+    if isinstance(placement, tuple):
+        return any(is_rank_local(p) for p in placement)
+    return is_sharded(placement) or isinstance(placement, Partial)
+
+
+def with_dim(placement: Placement, dim: int) -> Placement:
+    dim_, outer, inner = seq_factors(placement)
+    return seq_shard(dim, outer, inner)
+
+
+def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int) -> tuple[int, ...]:
+    factors = seq_factors(placement)
+    shape = tuple(shape)
+    if factors is None:
+        return shape
+    dim, outer, inner = factors
+    seq = shape[dim] // (outer * inner)
+    return shape[:dim] + (outer * (seq // world_size) * inner,) + shape[dim + 1 :]
+
+
+def seq_length(shape, placement: Placement) -> int:
+    dim, outer, inner = seq_factors(placement)
+    return shape[dim] // (outer * inner)
+
+
+@dataclass
+class NodeSharding:
+    """What propagation decided for one node."""
+
+    output: OutputPlacement
+    global_value: Any  # the node's global example value (a FakeTensor, a tuple of them, or a constant)
+    inputs: dict[fx.Node, Placement] = field(default_factory=dict)
+    # How to turn the node's global computation into the local one, applied by passes/localize_ops.py.
+    localize: Callable[[fx.Node, Any], None] | None = None
+    fallback: str | None = None  # why the node was computed replicated instead of sharded
+
+
+def sharding_of(node: fx.Node) -> NodeSharding | None:
+    return node.meta.get(PLACEMENT_KEY)
+
+
+def describe(placement: OutputPlacement) -> str:
+    if placement is None:
+        return "-"
+    if isinstance(placement, tuple):
+        return "(" + ", ".join(describe(p) for p in placement) + ")"
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, MergedShard):
+        return f"S({placement.dim}|{placement.outer}x.x{placement.inner})"
+    if isinstance(placement, Partial):
+        return "P"
+    return "R"
