@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+import re
+
 import torch
 import torch.fx as fx
 
@@ -40,6 +43,11 @@ class AttentionSite:
     kv_seq_len: int
     head_axis: int  # the tensor dim of q/k/v that holds heads ([.., H, S, D] -> ndim - 3)
     seq_axis: int
+    # GQA/MQA written as repeat_kv (unsqueeze + expand + reshape, or repeat_interleave) before the call:
+    # the un-repeated key/value and the repeat factor, so only the un-repeated heads are communicated.
+    key_source: fx.Node | None = None
+    value_source: fx.Node | None = None
+    kv_repeat: int = 1
 
     def summary(self) -> str:
         mask = "causal" if self.is_causal else ("mask" if self.mask is not None else "none")
@@ -60,7 +68,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    return path.removeprefix("L['self'].").removeprefix("L['fn'].")
+    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'].model.layers.0 -> model.layers.0
 
 
 def _value(node) -> torch.Tensor:
@@ -85,7 +93,11 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
             f"attention {module_path(node) or node.name}: query has shape {tuple(q.shape)}; expected "
             f"[..., heads, sequence, head_dim] so heads can be split across ranks"
         )
-    return AttentionSite(
+    head_axis = q.dim() - 3
+    key_source, key_repeat = unrepeated_heads(args["key"], head_axis)
+    value_source, value_repeat = unrepeated_heads(args["value"], head_axis)
+    repeated = key_repeat == value_repeat > 1
+    site = AttentionSite(
         node=node,
         form="scaled_dot_product_attention",
         module=module_path(node),
@@ -95,13 +107,67 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         mask=args.get("attn_mask"),
         is_causal=bool(args.get("is_causal", False)),
         heads=q.shape[-3],
-        kv_heads=k.shape[-3],
+        kv_heads=k.shape[-3] // key_repeat if repeated else k.shape[-3],
         head_dim=q.shape[-1],
         seq_len=q.shape[-2],
         kv_seq_len=k.shape[-2],
-        head_axis=q.dim() - 3,
+        head_axis=head_axis,
         seq_axis=q.dim() - 2,
     )
+    if repeated:
+        site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
+    return site
+
+
+def unrepeated_heads(node: fx.Node, head_axis: int) -> tuple[fx.Node, int]:
+    """``(x, n)`` when ``node`` repeats each head of ``x`` n times along ``head_axis``, else ``(node, 1)``.
+
+    Recognizes HF's ``repeat_kv``: ``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``
+    (or ``unsqueeze``), and ``repeat_interleave(x, n, dim=head_axis)``.
+    """
+    if node.op == "call_method" and node.target == "repeat_interleave" or node.target is torch.repeat_interleave:
+        repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        source = node.args[0]
+        if isinstance(repeats, int) and dim is not None and dim % _value(source).dim() == head_axis:
+            return source, repeats
+        return node, 1
+    if node.op != "call_method" or node.target not in ("reshape", "view"):
+        return node, 1
+    expanded = node.args[0]
+    if not isinstance(expanded, fx.Node) or expanded.op != "call_method" or expanded.target != "expand":
+        return node, 1
+    unsqueezed = expanded.args[0]
+    source = unsqueezed.args[0] if isinstance(unsqueezed, fx.Node) and unsqueezed.args else None
+    if not isinstance(source, fx.Node) or not isinstance(_value(source), torch.Tensor):
+        return node, 1
+    src, big, out = _value(source), _value(expanded), _value(node)
+    inserted_at = head_axis + 1
+    shape_ok = (
+        big.dim() == src.dim() + 1
+        and tuple(big.shape[:inserted_at]) == tuple(src.shape[:inserted_at])
+        and tuple(big.shape[inserted_at + 1 :]) == tuple(src.shape[inserted_at:])
+        and tuple(out.shape) == (*src.shape[:head_axis], src.shape[head_axis] * big.shape[inserted_at],
+                                 *src.shape[head_axis + 1 :])
+    )
+    if shape_ok and _inserts_dim(unsqueezed, inserted_at, src.dim() + 1):
+        return source, big.shape[inserted_at]
+    return node, 1
+
+
+def _inserts_dim(node: fx.Node, dim: int, ndim: int) -> bool:
+    """``node`` is ``x.unsqueeze(dim)`` or ``x[..., None, ...]`` with the None landing at ``dim``."""
+    if node.op == "call_method" and node.target == "unsqueeze":
+        return node.args[1] % ndim == dim
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return (
+            Ellipsis not in index
+            and index.count(None) == 1
+            and index.index(None) == dim
+            and all(entry == slice(None) for entry in index if entry is not None)
+        )
+    return False
 
 
 def _check_divisibility(site: AttentionSite, world_size: int) -> None:

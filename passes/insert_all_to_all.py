@@ -44,11 +44,49 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
         by_heads = Shard(site.head_axis)
         for name in ("query", "key", "value"):
             replace(name, lambda x: _mark(insert_call(graph, seq_to_heads, (x, *group), before=node), by_heads, x))
+        if site.kv_repeat > 1 and _sharded_on(site.key_source, site.seq_axis) and _sharded_on(
+            site.value_source, site.seq_axis
+        ):
+            for name, source in (("key", site.key_source), ("value", site.value_source)):
+                replace(name, lambda old: _repeat_after_all_to_all(graph, node, old, source, site, group))
         replace("attn_mask", lambda mask: _mask_for_rank_heads(graph, node, mask, ctx))
         node.args, node.kwargs = tuple(args), kwargs
         back = _mark(insert_call(graph, heads_to_seq, (node, *group), after=node), Shard(site.seq_axis), node)
         node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         _mark(node, by_heads, node)
+
+
+def repeat_heads(x, head_axis: int, repeat: int):
+    """Each head ``repeat`` times in a row, as HF's repeat_kv does; on this rank's heads only."""
+    shape = list(x.shape)
+    expanded = x.unsqueeze(head_axis + 1).expand(*shape[: head_axis + 1], repeat, *shape[head_axis + 1 :])
+    shape[head_axis] *= repeat
+    return expanded.reshape(shape)
+
+
+def _sharded_on(node: fx.Node, dim: int) -> bool:
+    sharding = sharding_of(node)
+    return sharding is not None and sharding.output == Shard(dim)
+
+
+def _repeat_after_all_to_all(graph, site_node, replaced_all_to_all, source, site, group):
+    """Send the un-repeated KV heads and repeat them locally, instead of sending repeated heads."""
+    repeated_chain = replaced_all_to_all.args[0]
+    graph.erase_node(replaced_all_to_all)
+    heads = _mark(insert_call(graph, seq_to_heads, (source, *group), before=site_node), Shard(site.head_axis), source)
+    repeated = insert_call(graph, repeat_heads, (heads, site.head_axis, site.kv_repeat), before=site_node)
+    _mark(repeated, Shard(site.head_axis), repeated_chain)
+    _erase_if_unused(graph, repeated_chain)
+    return repeated
+
+
+def _erase_if_unused(graph, reshaped: fx.Node) -> None:
+    """Drop the repeat chain (reshape <- expand <- unsqueeze) where nothing else uses it."""
+    chain = [reshaped, reshaped.args[0], reshaped.args[0].args[0]]
+    for node in chain:
+        if node.users:
+            return
+        graph.erase_node(node)
 
 
 def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
