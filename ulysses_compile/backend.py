@@ -37,6 +37,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
     )
     run_pipeline(gm, ctx)
+    gm.meta["ulysses_report"] = ctx.report
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if original is not None:
         return verified(compiled, original, ctx)

@@ -1,0 +1,171 @@
+"""One-process structure tests on a fake process group: what the rewritten graph contains."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+
+from models import token_batch, tiny_gpt2, tiny_llama
+from ulysses_compile import DivisibilityError
+from ulysses_compile.backend import ulysses
+from ulysses_compile.collectives import gather_seq, heads_to_seq, reduce_partial, seq_to_heads, sync_grad
+
+
+def rewritten_graphs(model, args, kwargs=None, **options):
+    """Compile with the ulysses backend (eager inner compiler) and return the rewritten graphs."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager", **options})
+        graphs.append(gm)
+        return compiled
+
+    torch.compile(model, backend=capture)(*args, **(kwargs or {}))
+    return graphs
+
+
+def calls(gm, fn):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_llama_has_four_all_to_alls_per_layer_and_local_shapes(fake_group, world_size):
+    fake_group(world_size)
+    heads, kv_heads, layers, seq = 8, (4 if world_size < 8 else 8), 3, 64
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=layers)
+    ids, labels = token_batch(seq=seq)
+    (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    to_heads, to_seq = calls(gm, seq_to_heads), calls(gm, heads_to_seq)
+    assert len(to_heads) == 3 * layers and len(to_seq) == layers
+    local = seq // world_size
+    head_dim = model.config.head_dim
+    shapes = sorted(tuple(n.args[0].meta["val"].shape) for n in to_heads)
+    assert shapes == sorted([(2, heads, local, head_dim)] * layers + [(2, kv_heads, local, head_dim)] * 2 * layers)
+    for node in to_heads:
+        inp, out = node.args[0].meta["val"], node.meta["val"]
+        assert tuple(out.shape) == (2, inp.shape[1] // world_size, seq, head_dim)
+    for node in to_seq:
+        assert tuple(node.meta["val"].shape) == (2, heads, local, head_dim)
+    # no hidden gathers: only the logits output is gathered, the loss needs two scalar all-reduces
+    assert [tuple(n.args[0].meta["val"].shape) for n in calls(gm, gather_seq)] == [(2, local, 128)]
+    assert [n.args[0].meta["val"].dim() for n in calls(gm, reduce_partial)] == [0, 0]
+    synced = {n.args[0].name for n in calls(gm, sync_grad)}
+    params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "_parameters_" in n.name]
+    assert synced == set(params)
+    assert gm.meta["ulysses_report"].fallbacks == []
+
+
+def test_gpt2_merged_sequence_views_stay_sharded(fake_group):
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    graphs = rewritten_graphs(tiny_gpt2(), (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    model_graph = graphs[0]
+    assert len(calls(model_graph, seq_to_heads)) == 6 and model_graph.meta["ulysses_report"].fallbacks == []
+    # GPT-2's Conv1D flattens [B, S, H] to [B*S, H]: locally [B*S/P, H]
+    addmm_rows = [n.args[1].meta["val"].shape[0] for n in model_graph.graph.nodes if n.target is torch.addmm]
+    assert addmm_rows and set(addmm_rows) == {2 * 32 // 4}
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+def normalized_code(gm) -> str:
+    code = re.sub(r";  [\w =]+ = None", "", gm.code)
+    lines = [line.rstrip() for line in code.strip().splitlines() if line.strip()]
+    return "\n".join(lines)
+
+
+def test_tiny_graph_before_and_after(fake_group):
+    fake_group(2)
+    torch.manual_seed(0)
+    before = []
+
+    def capture_before(gm, example_inputs):
+        before.append(normalized_code(gm))
+        return gm.forward
+
+    model = TinyAttention()
+    x = torch.randn(2, 8, 16)
+    torch.compile(model, backend=capture_before)(x)
+    torch._dynamo.reset()
+    (after,) = rewritten_graphs(model, (x,))
+    assert_expected_inline(before[0], """\
+def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_x_ = L_x_
+    l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
+    l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
+    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
+    view = linear.view(2, 8, 3, 2, 8)
+    permute = view.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
+    transpose = y.transpose(1, 2)
+    reshape = transpose.reshape(2, 8, 16)
+    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
+    return (linear_1,)""")
+    assert_expected_inline(normalized_code(after), """\
+def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_x_ = L_x_
+    l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
+    l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
+    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, '0')
+    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, '0')
+    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, 1, 1, 1, 0, 2, '0')
+    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
+    view = linear.view((2, 4, 3, 2, 8))
+    permute = view.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, 2, 1, 2, '0')
+    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, 2, 1, 2, '0')
+    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, 2, 1, 2, '0')
+    y = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
+    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, 2, 1, 2, '0')
+    transpose = heads_to_seq.transpose(1, 2)
+    reshape = transpose.reshape((2, 4, 16))
+    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
+    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, 1, 1, 1, 0, 2, '0')
+    return (gather_seq,)""")
+
+
+def test_head_divisibility_error_names_the_site(fake_group):
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    model = tiny_llama(heads=6, kv_heads=6, layers=1)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    error = raised.value.inner_exception
+    assert isinstance(error, DivisibilityError)
+    message = str(error)
+    assert "model.layers.0.self_attn" in message and "query heads = 6" in message
+    assert "not divisible by the 4 sequence-parallel ranks" in message and "[2, 3, 6]" in message
+
+
+def test_sequence_divisibility_error(fake_group):
+    fake_group(4)
+    ids, labels = token_batch(seq=30)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    assert isinstance(raised.value.inner_exception, DivisibilityError)
+    message = str(raised.value.inner_exception)
+    assert "query sequence length = 30 is not divisible by the 4 sequence-parallel ranks" in message
+    assert "pad_to_multiple_of=4" in message
