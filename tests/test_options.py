@@ -1,0 +1,90 @@
+"""Registration by name, option checks, and the single-process fallbacks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import nanogpt
+from ulysses_compile import Options, OptionsError
+
+
+def test_backend_is_registered_by_entry_point():
+    names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert names.get("ulysses") == "ulysses_compile.backend:ulysses"
+    assert "ulysses" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(OptionsError) as raised:
+        Options.parse({"compiler": "inductor", "sequence_dim": 1})
+    message = str(raised.value)
+    assert "['sequence_dim']" in message
+    for key in ("group", "mesh", "outputs", "compiler", "verify"):
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        ({"compiler": "tvm"}, "compiler='tvm': expected one of ['inductor', 'aot_eager', 'eager']"),
+        ({"outputs": "scatter"}, "outputs='scatter': expected one of ['gather', 'local']"),
+        ({"verify": "yes"}, "verify='yes': expected True or False"),
+        ({"group": 3}, "expected a torch.distributed.ProcessGroup"),
+    ],
+)
+def test_wrong_option_values(options, expected):
+    with pytest.raises(OptionsError, match=None) as raised:
+        Options.parse(options)
+    assert expected in str(raised.value)
+
+
+def test_unknown_option_through_torch_compile(fake_group):
+    fake_group(2)
+    model, args, kwargs = nanogpt.make(seq_len=8)
+    compiled = torch.compile(model, backend="ulysses", options={"outptus": "local"})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(*args, **kwargs)
+    assert isinstance(raised.value.inner_exception, OptionsError)
+    assert "['outptus']" in str(raised.value.inner_exception)
+
+
+def test_one_rank_runs_plainly_with_an_info_line(fake_group, caplog):
+    fake_group(1)
+    model, args, kwargs = nanogpt.make(seq_len=8)
+    want_logits, want_loss = model(*args, **kwargs)
+    with caplog.at_level(logging.INFO, logger="ulysses_compile"):
+        logits, loss = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)
+    assert torch.equal(loss, want_loss) and torch.equal(logits, want_logits)
+    lines = [r.getMessage() for r in caplog.records if r.name == "ulysses_compile"]
+    assert len(lines) == 1 and "the process group has 1 rank" in lines[0]
+
+
+def test_by_name_without_import_and_without_process_group(tmp_path):
+    """A fresh interpreter that never imports ulysses_compile: the entry point finds the backend."""
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        sys.path.insert(0, sys.argv[1])
+        import nanogpt
+        model, args, kwargs = nanogpt.make(seq_len=8)
+        want = model(*args, **kwargs)[1]
+        got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)[1]
+        assert "ulysses_compile" in sys.modules and torch.equal(got, want), (got, want)
+        print("OK")
+    """))
+    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
+    env = {**os.environ, "TORCH_LOGS": "ulysses_compile"}
+    done = subprocess.run([sys.executable, str(script), examples], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "OK" in done.stdout
+    assert "torch.distributed is not initialized" in done.stderr
