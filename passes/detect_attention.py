@@ -20,7 +20,7 @@ import re
 import torch
 import torch.fx as fx
 
-from ulysses_compile.errors import DivisibilityError
+from ulysses_compile.errors import DivisibilityError, UnsupportedError
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -92,6 +92,13 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         raise DivisibilityError(
             f"attention {module_path(node) or node.name}: query has shape {tuple(q.shape)}; expected "
             f"[..., heads, sequence, head_dim] so heads can be split across ranks"
+        )
+    if not all(isinstance(size, int) for size in (*q.shape, *k.shape)):
+        raise UnsupportedError(
+            f"attention {module_path(node) or node.name}: query shape {tuple(q.shape)} and key shape "
+            f"{tuple(k.shape)} are symbolic (torch.compile made them dynamic, e.g. after a call with another "
+            f"sequence length); this version needs static sizes: use torch.compile(..., dynamic=False), "
+            f"which compiles once per length"
         )
     head_axis = q.dim() - 3
     key_source, key_repeat = unrepeated_heads(args["key"], head_axis)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -31,10 +30,8 @@ def _entry(rank, world_size, port, fn, args):
 
 def run_ranks(fn, world_size: int, *args) -> None:
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; re-raise any failure."""
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache)
-        mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                           join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
+                       start_method="spawn")
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> float:

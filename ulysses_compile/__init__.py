@@ -3,7 +3,14 @@ parallelism on an unmodified model, with eager-equal losses, outputs and gradien
 
 from .backend import ulysses
 from .compat import register_torch_log
-from .errors import DivisibilityError, InternalError, OptionsError, UlyssesError, VerificationError
+from .errors import (
+    DivisibilityError,
+    InternalError,
+    OptionsError,
+    UlyssesError,
+    UnsupportedError,
+    VerificationError,
+)
 from .options import Options
 
 register_torch_log("ulysses_compile")
@@ -14,6 +21,7 @@ __all__ = [
     "Options",
     "OptionsError",
     "UlyssesError",
+    "UnsupportedError",
     "VerificationError",
     "ulysses",
 ]

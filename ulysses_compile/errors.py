@@ -13,6 +13,10 @@ class DivisibilityError(UlyssesError):
     """Heads or the sequence length cannot be split evenly over the sequence-parallel ranks."""
 
 
+class UnsupportedError(UlyssesError):
+    """The model uses something this version cannot parallelize exactly; the message says what to do."""
+
+
 class VerificationError(UlyssesError):
     """``options={"verify": True}`` found the compiled program disagreeing with eager execution."""
 

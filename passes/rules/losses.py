@@ -27,7 +27,7 @@ def counted_tokens(target, ignore_index, weight):
     valid = target != ignore_index
     if weight is None:
         return valid.sum()
-    return (weight[target.clamp(min=0)] * valid).sum()
+    return (weight[target.masked_fill(~valid, 0)] * valid).sum()
 
 
 def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
 
 from . import Decision, method_or_function_args, normalize_dim, register
+from .pointwise import pointwise
 
 
 def _reduced_dims(node, value) -> list[int] | None:
@@ -40,6 +41,8 @@ def _scale_by_inverse_world(node: fx.Node, sharding, ctx) -> None:
 
 def _reduction(partial_ok: bool, scale: bool):
     def rule(node, view):
+        if view.is_tensor(method_or_function_args(node, ("input", "dim")).get("dim")):
+            return pointwise(node, view)  # torch.max(a, b) and friends are elementwise
         source = node.args[0] if node.args else node.kwargs["input"]
         factors = view.sharded(source)
         if factors is None:
