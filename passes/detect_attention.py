@@ -48,6 +48,13 @@ class AttentionSite:
     key_source: fx.Node | None = None
     value_source: fx.Node | None = None
     kv_repeat: int = 1
+    enable_gqa: bool = False
+
+    def kv_heads_shared(self, world_size: int) -> bool:
+        """Fewer KV heads than ranks (MQA, small-group GQA): each rank gathers the one KV head its
+        query heads use instead of receiving KV heads by all-to-all."""
+        grouped = self.kv_heads == 1 or self.enable_gqa or self.kv_repeat > 1
+        return self.kv_heads % world_size != 0 and world_size % self.kv_heads == 0 and grouped
 
     def summary(self) -> str:
         mask = "causal" if self.is_causal else ("mask" if self.mask is not None else "none")
@@ -120,6 +127,7 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         kv_seq_len=k.shape[-2],
         head_axis=head_axis,
         seq_axis=q.dim() - 2,
+        enable_gqa=bool(args.get("enable_gqa", False)),
     )
     if repeated:
         site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
@@ -180,11 +188,12 @@ def _inserts_dim(node: fx.Node, dim: int, ndim: int) -> bool:
 def _check_divisibility(site: AttentionSite, world_size: int) -> None:
     where = f"attention {site.module or site.node.name} ({site.form})"
     for what, heads in (("query heads", site.heads), ("key/value heads", site.kv_heads)):
-        if heads % world_size:
+        if heads % world_size and not (what.startswith("key") and site.kv_heads_shared(world_size)):
             raise DivisibilityError(
                 f"{where}: {what} = {heads} is not divisible by the {world_size} sequence-parallel ranks; "
-                f"Ulysses gives each rank heads/P heads. Use a number of ranks that divides {heads} "
-                f"(for example {_divisors(heads)}), or a model whose head counts are multiples of {world_size}"
+                f"Ulysses gives each rank heads/P heads{_kv_hint(site, what)}. Use a number of ranks that "
+                f"divides {heads} (for example {_divisors(heads) or [1]}), or a model whose head counts are "
+                f"multiples of {world_size}"
             )
     for what, length in (("query sequence length", site.seq_len), ("key sequence length", site.kv_seq_len)):
         if length % world_size:
@@ -193,6 +202,12 @@ def _check_divisibility(site: AttentionSite, world_size: int) -> None:
                 f"pad the batch to a multiple of {world_size} tokens (for example with the tokenizer's "
                 f"pad_to_multiple_of={world_size} and labels -100 on the padding)"
             )
+
+
+def _kv_hint(site: AttentionSite, what: str) -> str:
+    if what.startswith("key"):
+        return " (or, for grouped KV heads, a number of ranks that is a multiple of the KV heads)"
+    return ""
 
 
 def _divisors(n: int) -> list[int]:

@@ -13,14 +13,18 @@ After::
     out_h = scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask_h, is_causal=True)
     out = heads_to_seq(out_h, 2, 1, P, group)    # [B, H, S/P, D]
 
-The backward of each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
+With fewer KV heads than ranks (MQA, or GQA with P a multiple of the KV heads) each rank instead
+gathers the whole sequence of the one KV head its query heads use (``gather_kv_heads``). A repeat of
+KV heads written in the model (HF ``repeat_kv``) is moved after the communication, so repeated heads are
+never sent. The backward of each all-to-all is the inverse all-to-all (torch's autograd of
+all_to_all_single).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from ulysses_compile.collectives import heads_to_seq, insert_call, seq_to_heads
+from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads
 from ulysses_compile.sharding import PLACEMENT_KEY, NodeSharding, Shard, sharding_of
 
 from .detect_attention import SDPA_PARAMS
@@ -41,19 +45,18 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
             elif kwargs.get(name) is not None:
                 kwargs[name] = transform(kwargs[name])
 
-        by_heads = Shard(site.head_axis)
-        for name in ("query", "key", "value"):
-            replace(name, lambda x: _mark(insert_call(graph, seq_to_heads, (x, *group), before=node), by_heads, x))
-        if site.kv_repeat > 1 and _sharded_on(site.key_source, site.seq_axis) and _sharded_on(
-            site.value_source, site.seq_axis
-        ):
-            for name, source in (("key", site.key_source), ("value", site.value_source)):
-                replace(name, lambda old: _repeat_after_all_to_all(graph, node, old, source, site, group))
+        replaced: list[fx.Node] = []
+        replace("query", lambda q: _mark(insert_call(graph, seq_to_heads, (q, *group), before=node),
+                                         Shard(site.head_axis), q))
+        for name, source in (("key", site.key_source), ("value", site.value_source)):
+            replace(name, lambda kv: _kv_for_rank_heads(graph, node, kv, source, site, ctx, replaced))
         replace("attn_mask", lambda mask: _mask_for_rank_heads(graph, node, mask, ctx))
         node.args, node.kwargs = tuple(args), kwargs
         back = _mark(insert_call(graph, heads_to_seq, (node, *group), after=node), Shard(site.seq_axis), node)
         node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-        _mark(node, by_heads, node)
+        _mark(node, Shard(site.head_axis), node)
+        for chain in replaced:
+            _erase_if_unused(graph, chain)
 
 
 def repeat_heads(x, head_axis: int, repeat: int):
@@ -64,20 +67,33 @@ def repeat_heads(x, head_axis: int, repeat: int):
     return expanded.reshape(shape)
 
 
-def _sharded_on(node: fx.Node, dim: int) -> bool:
-    sharding = sharding_of(node)
+def _sharded_on(node: fx.Node | None, dim: int) -> bool:
+    sharding = sharding_of(node) if node is not None else None
     return sharding is not None and sharding.output == Shard(dim)
 
 
-def _repeat_after_all_to_all(graph, site_node, replaced_all_to_all, source, site, group):
-    """Send the un-repeated KV heads and repeat them locally, instead of sending repeated heads."""
-    repeated_chain = replaced_all_to_all.args[0]
-    graph.erase_node(replaced_all_to_all)
-    heads = _mark(insert_call(graph, seq_to_heads, (source, *group), before=site_node), Shard(site.head_axis), source)
-    repeated = insert_call(graph, repeat_heads, (heads, site.head_axis, site.kv_repeat), before=site_node)
-    _mark(repeated, Shard(site.head_axis), repeated_chain)
-    _erase_if_unused(graph, repeated_chain)
-    return repeated
+def _kv_for_rank_heads(graph, site_node, kv, source, site, ctx, replaced) -> fx.Node:
+    """Key or value for this rank's query heads. Communicates un-repeated KV heads: by all-to-all when
+    they divide over the ranks, else each rank gathers the one KV head its query heads share; a repeat
+    written in the model (repeat_kv) is redone locally afterwards."""
+    repeated = site.kv_repeat > 1 and _sharded_on(source, site.seq_axis)
+    sent = source if repeated else kv
+    heads = sharding_of(sent).global_value.shape[site.head_axis]
+    if heads % ctx.world_size == 0:
+        local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, ctx.world_size,
+                                                        ctx.group_name), before=site_node), Shard(site.head_axis), sent)
+        local_heads = heads // ctx.world_size
+    else:
+        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, ctx.rank, ctx.world_size,
+                                                     ctx.group_name), before=site_node)
+        local.meta[PLACEMENT_KEY] = NodeSharding(None, None)  # one whole head: no placement describes it
+        local_heads = 1
+    if not repeated:
+        return local
+    replaced.append(kv)
+    repeat = site.heads // ctx.world_size // local_heads
+    return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, repeat), before=site_node),
+                 Shard(site.head_axis), kv)
 
 
 def _erase_if_unused(graph, reshaped: fx.Node) -> None:

@@ -9,6 +9,7 @@ placement change is chosen so that every rank ends up with single-device gradien
 function             forward                    backward
 ===================  =========================  ======================================================
 scatter_seq          R -> S: keep my block      S -> R: all-gather (the gradient is whole everywhere)
+gather_kv_heads      S -> one whole KV head     reduce-scatter (ranks sharing the head sum its gradient)
 gather_seq           S -> R: all-gather         R -> S: keep my block of the (replicated) gradient
 reduce_partial       P -> R: all-reduce(sum)    identity (each partial term gets the full gradient)
 sync_grad            identity                   all-reduce(sum): a replicated value used by sharded
@@ -27,6 +28,7 @@ from .compat import c10d_functional
 
 __all__ = [
     "COLLECTIVES",
+    "gather_kv_heads",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -166,7 +168,16 @@ def heads_to_seq(x, seq_dim: int, head_dim: int, world_size: int, group_name: st
     return joined.reshape(shape)
 
 
-COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq)
+def gather_kv_heads(x, seq_dim: int, head_dim: int, rank: int, world_size: int, group_name: str):
+    """``[.., Hkv, .., S/P, ..]`` with P a multiple of Hkv -> the whole sequence of the one KV head that
+    this rank's query heads use (``[.., 1, .., S, ..]``). Ranks sharing a KV head each hold part of its
+    gradient, so the backward is torch's all-gather backward: a reduce-scatter that sums them."""
+    heads = x.shape[head_dim]
+    gathered = _all_gather_dim0(x.movedim(seq_dim, 0), world_size, group_name).movedim(0, seq_dim)
+    return gathered.narrow(head_dim, rank // (world_size // heads), 1)
+
+
+COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads)
 
 
 def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:

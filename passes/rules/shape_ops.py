@@ -175,8 +175,11 @@ def getitem_rule(node, view):
     dim = factors[0]
     value = view.value(source)
     entries = list(index) if isinstance(index, tuple) else [index]
-    if any(isinstance(e, (fx.Node, torch.Tensor, list)) for e in entries):
+    lists = [e for e in entries if isinstance(e, list)]
+    if any(isinstance(e, (fx.Node, torch.Tensor)) for e in entries) or len(lists) > 1:
         return None
+    if lists and not all(isinstance(i, int) for i in lists[0]):
+        return None  # one 1-D list of ints indexes in place, like a slice; anything else reorders dims
     if Ellipsis in entries:
         at = entries.index(Ellipsis)
         used = sum(1 for e in entries if e is not None and e is not Ellipsis)
@@ -191,7 +194,7 @@ def getitem_rule(node, view):
             if not _is_full_slice(entry, value.shape[dim]):
                 return None
             return Decision(with_dim(placement, out_dim), {source: placement})
-        if isinstance(entry, slice):
+        if isinstance(entry, (slice, list)):
             out_dim += 1
         in_dim += 1
     return None
