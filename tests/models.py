@@ -33,3 +33,53 @@ def token_batch(batch: int = 2, seq: int = 32, seed: int = 1) -> tuple[torch.Ten
     labels = ids.clone()
     labels[0, : seq * 3 // 8] = -100
     return ids, labels
+
+
+def _causal(config_cls, model_cls, **overrides):
+    def make():
+        torch.manual_seed(0)
+        fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+        fields.update(overrides)
+        return model_cls(config_cls(**{k: v for k, v in fields.items() if v is not None}))
+
+    return make
+
+
+def _encoder(config_cls, model_cls, **overrides):
+    def make():
+        torch.manual_seed(0)
+        return model_cls(config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                    **overrides))
+
+    return make
+
+
+def model_zoo() -> dict:
+    """Unmodified transformers models from tiny configs: name -> (factory, kind of inputs)."""
+    import transformers as t
+
+    return {
+        "qwen2": (_causal(t.Qwen2Config, t.Qwen2ForCausalLM), "causal"),
+        "mistral": (_causal(t.MistralConfig, t.MistralForCausalLM), "causal"),
+        "qwen3": (_causal(t.Qwen3Config, t.Qwen3ForCausalLM, head_dim=16), "causal"),
+        "gemma": (_causal(t.GemmaConfig, t.GemmaForCausalLM, head_dim=16), "causal"),
+        "phi3": (_causal(t.Phi3Config, t.Phi3ForCausalLM, pad_token_id=0), "causal"),
+        "gpt_neox": (_causal(t.GPTNeoXConfig, t.GPTNeoXForCausalLM, num_key_value_heads=None), "causal"),
+        "opt": (_causal(t.OPTConfig, t.OPTForCausalLM, intermediate_size=None, num_key_value_heads=None, ffn_dim=128,
+                        dropout=0.0), "causal"),
+        "falcon_mqa": (_causal(t.FalconConfig, t.FalconForCausalLM, intermediate_size=None, num_key_value_heads=None,
+                               hidden_dropout=0.0, attention_dropout=0.0), "causal"),
+        "llama_mqa": (_causal(t.LlamaConfig, t.LlamaForCausalLM, num_key_value_heads=1), "causal"),
+        "bert_padding": (_encoder(t.BertConfig, t.BertForMaskedLM), "masked"),
+    }
+
+
+def zoo_inputs(kind: str, seq: int = 32) -> dict:
+    ids, labels = token_batch(seq=seq)
+    if kind == "causal":
+        return {"input_ids": ids, "labels": labels, "use_cache": False}
+    mask = torch.ones_like(ids)
+    mask[1, seq - 7 :] = 0  # padding at the end of the second sequence
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

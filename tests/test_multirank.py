@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nanogpt
-from models import token_batch, tiny_gpt2, tiny_llama
+from models import model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from multirank import assert_close, compare_model, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -85,3 +85,27 @@ def verify_passes(rank, world_size):
 
 def test_verify_option_accepts_a_correct_program():
     run_ranks(verify_passes, 2)
+
+
+def zoo_equal_to_eager(rank, world_size, names):
+    zoo = model_zoo()
+    for name in names:
+        factory, kind = zoo[name]
+        model = factory()
+        reference = copy.deepcopy(model)
+        inputs = zoo_inputs(kind)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(**inputs)
+        got.loss.backward()
+        want = reference(**inputs)
+        want.loss.backward()
+        compare_model(rank, model, reference, {f"{name} loss": (got.loss, want.loss),
+                                               f"{name} logits": (got.logits, want.logits)}, None)
+
+
+def test_model_zoo_equal_to_eager_at_two_ranks():
+    run_ranks(zoo_equal_to_eager, 2, sorted(model_zoo()))
+
+
+def test_shared_kv_heads_at_four_ranks():
+    run_ranks(zoo_equal_to_eager, 4, ["falcon_mqa", "qwen2"])

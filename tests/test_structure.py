@@ -10,10 +10,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
-from models import token_batch, tiny_gpt2, tiny_llama
+from models import model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError
 from ulysses_compile.backend import ulysses
-from ulysses_compile.collectives import gather_seq, heads_to_seq, reduce_partial, seq_to_heads, sync_grad
+from ulysses_compile.collectives import (
+    gather_kv_heads,
+    gather_seq,
+    heads_to_seq,
+    reduce_partial,
+    seq_to_heads,
+    sync_grad,
+)
 
 
 def rewritten_graphs(model, args, kwargs=None, **options):
@@ -169,3 +176,21 @@ def test_sequence_divisibility_error(fake_group):
     message = str(raised.value.inner_exception)
     assert "query sequence length = 30 is not divisible by the 4 sequence-parallel ranks" in message
     assert "pad_to_multiple_of=4" in message
+
+
+@pytest.mark.parametrize("name", sorted(model_zoo()))
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_size):
+    fake_group(world_size)
+    factory, kind = model_zoo()[name]
+    model = factory()
+    (gm,) = rewritten_graphs(model, (), zoo_inputs(kind))
+    layers = model.config.num_hidden_layers
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    if name == "falcon_mqa":
+        kv_heads = 1
+    kv_by_all_to_all = kv_heads % world_size == 0
+    assert len(calls(gm, seq_to_heads)) == layers * (3 if kv_by_all_to_all else 1)
+    assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
+    assert len(calls(gm, heads_to_seq)) == layers
+    assert gm.meta["ulysses_report"].fallbacks == []
