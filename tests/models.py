@@ -73,6 +73,7 @@ def model_zoo() -> dict:
                                hidden_dropout=0.0, attention_dropout=0.0), "causal"),
         "llama_mqa": (_causal(t.LlamaConfig, t.LlamaForCausalLM, num_key_value_heads=1), "causal"),
         "bert_padding": (_encoder(t.BertConfig, t.BertForMaskedLM), "masked"),
+        "bert_classifier": (_encoder(t.BertConfig, t.BertForSequenceClassification, num_labels=3), "classify"),
     }
 
 
@@ -82,4 +83,6 @@ def zoo_inputs(kind: str, seq: int = 32) -> dict:
         return {"input_ids": ids, "labels": labels, "use_cache": False}
     mask = torch.ones_like(ids)
     mask[1, seq - 7 :] = 0  # padding at the end of the second sequence
+    if kind == "classify":
+        labels = torch.tensor([0, 2])
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

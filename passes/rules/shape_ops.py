@@ -7,13 +7,14 @@ is rewritten to the local shape. Slicing the sequence itself, or splitting it ac
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from ulysses_compile.sharding import REPLICATE, local_shape, seq_shard, with_dim
+from ulysses_compile.sharding import PARTIAL, local_shape, seq_shard, with_dim
 
 from . import Decision, normalize_dim, register
 
@@ -186,11 +187,15 @@ def getitem_rule(node, view):
         entries[at : at + 1] = [slice(None)] * (value.dim() - used)
     entries += [slice(None)] * (value.dim() - sum(1 for e in entries if e is not None))
     in_dim = out_dim = 0
-    for entry in entries:
+    for position, entry in enumerate(entries):
         if entry is None:
             out_dim += 1
             continue
         if in_dim == dim:
+            if isinstance(entry, int) and factors[1:] == (1, 1):
+                localize = functools.partial(_localize_position, entries=entries, position=position,
+                                             length=value.shape[dim])
+                return Decision(PARTIAL, {source: placement}, localize)
             if not _is_full_slice(entry, value.shape[dim]):
                 return None
             return Decision(with_dim(placement, out_dim), {source: placement})
@@ -198,6 +203,26 @@ def getitem_rule(node, view):
             out_dim += 1
         in_dim += 1
     return None
+
+
+def zeroed(x):
+    return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0)
+
+
+def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, length) -> None:
+    """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
+    so the partial values sum to the global result (pooling on the first or last token). The zeros stay
+    connected to ``x`` so every rank's backward runs the same collectives."""
+    block = length // ctx.world_size
+    owner, local = divmod(entries[position] % length, block)
+    entries = list(entries)
+    entries[position] = local if ctx.rank == owner else 0
+    node.args = (node.args[0], tuple(entries))
+    if ctx.rank != owner:
+        with node.graph.inserting_after(node):
+            zeros = node.graph.call_function(zeroed, (node,))
+        zeros.meta["ulysses_inserted"] = "not_this_ranks_position"
+        node.replace_all_uses_with(zeros, delete_user_cb=lambda user: user is not zeros)
 
 
 def _split_dim(node):
