@@ -73,6 +73,8 @@ def model_zoo() -> dict:
                                hidden_dropout=0.0, attention_dropout=0.0), "causal"),
         "llama_mqa": (_causal(t.LlamaConfig, t.LlamaForCausalLM, num_key_value_heads=1), "causal"),
         "bert_padding": (_encoder(t.BertConfig, t.BertForMaskedLM), "masked"),
+        "roberta_padding": (_encoder(t.RobertaConfig, t.RobertaForMaskedLM, pad_token_id=1,
+                                     max_position_embeddings=300), "masked"),
         "bert_classifier": (_encoder(t.BertConfig, t.BertForSequenceClassification, num_labels=3), "classify"),
     }
 

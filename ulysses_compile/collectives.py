@@ -10,6 +10,8 @@ function             forward                    backward
 ===================  =========================  ======================================================
 scatter_seq          R -> S: keep my block      S -> R: all-gather (the gradient is whole everywhere)
 gather_kv_heads      S -> one whole KV head     reduce-scatter (ranks sharing the head sum its gradient)
+add_previous_ranks_  cumsum over the sequence   reduce-scatter of the totals' gradients
+totals
 gather_seq           S -> R: all-gather         R -> S: keep my block of the (replicated) gradient
 reduce_partial       P -> R: all-reduce(sum)    identity (each partial term gets the full gradient)
 sync_grad            identity                   all-reduce(sum): a replicated value used by sharded
@@ -28,6 +30,7 @@ from .compat import c10d_functional
 
 __all__ = [
     "COLLECTIVES",
+    "add_previous_ranks_totals",
     "gather_kv_heads",
     "gather_seq",
     "heads_to_seq",
@@ -177,7 +180,17 @@ def gather_kv_heads(x, seq_dim: int, head_dim: int, rank: int, world_size: int, 
     return gathered.narrow(head_dim, rank // (world_size // heads), 1)
 
 
-COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads)
+def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int, group_name: str):
+    """A cumulative sum along the sharded sequence: this rank's local cumsum plus the totals of the
+    ranks before it (their blocks come first). Gradients reach those ranks through the all-gather's
+    reduce-scatter backward."""
+    totals = local_cumsum.narrow(dim, local_cumsum.shape[dim] - 1, 1)
+    gathered = _all_gather_dim0(totals.unsqueeze(0), world_size, group_name)
+    return local_cumsum + gathered[:rank].sum(0)
+
+
+COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
+               add_previous_ranks_totals)
 
 
 def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:

@@ -2,7 +2,8 @@
 
 Over dims other than the sequence they stay local. A sum over the sequence becomes ``Partial`` (each
 rank sums its block); a mean over it becomes the rank's mean divided by P, also ``Partial``, since all
-blocks have S/P elements. Other reductions over the sequence (max, norms, cumsum) fall back.
+blocks have S/P elements. A cumsum along it adds the totals of the ranks before. Other reductions over
+the sequence (max, norms, cumprod) fall back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.collectives import add_previous_ranks_totals
 from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
 
 from . import Decision, method_or_function_args, normalize_dim, register
@@ -73,24 +75,40 @@ register(
 )(_reduction(partial_ok=False, scale=False))
 
 
-def _along_dim(dim_param_index: int):
-    """Softmax-like ops that work along one dim: local unless that dim is the sequence."""
+def _along_dim(sequence_localize=None):
+    """Ops along one dim (softmax, cumsum): local unless that dim is the sequence, where only ops with a
+    ``sequence_localize`` (a cross-rank correction) stay sharded."""
 
     def rule(node, view):
         source = node.args[0] if node.args else node.kwargs["input"]
         factors = view.sharded(source)
         if factors is None:
             return None
-        dim = node.args[dim_param_index] if len(node.args) > dim_param_index else node.kwargs.get("dim")
-        if dim is None or normalize_dim(dim, view.value(source).dim()) == factors[0]:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        placement = view.placement(source)
+        if dim is None:
             return None
-        return Decision(view.placement(source), {source: view.placement(source)})
+        if normalize_dim(dim, view.value(source).dim()) != factors[0]:
+            return Decision(placement, {source: placement})
+        if sequence_localize is None or factors[1:] != (1, 1):
+            return None
+        return Decision(placement, {source: placement}, sequence_localize)
 
     return rule
 
 
-register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumsum",
-         torch.cumsum, "cumprod", torch.cumprod)(_along_dim(1))
+def _localize_cumsum(node: fx.Node, sharding, ctx) -> None:
+    dim = normalize_dim(node.args[1] if len(node.args) > 1 else node.kwargs["dim"], sharding.global_value.dim())
+    with node.graph.inserting_after(node):
+        total = node.graph.call_function(add_previous_ranks_totals, (node, dim, ctx.rank, ctx.world_size,
+                                                                       ctx.group_name))
+    total.meta["ulysses_inserted"] = "add_previous_ranks_totals"
+    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
+
+
+register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumprod",
+         torch.cumprod)(_along_dim())
+register("cumsum", torch.cumsum)(_along_dim(_localize_cumsum))
 
 
 def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):

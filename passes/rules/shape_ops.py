@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ulysses_compile.sharding import PARTIAL, local_shape, seq_shard, with_dim
 
-from . import Decision, normalize_dim, register
+from . import Decision, method_or_function_args, normalize_dim, register
 
 
 def _flat_position(shape, dim, outer, inner):
@@ -271,3 +271,21 @@ def cat_rule(node, view):
         return Decision(sharded[0], {parts[0]: sharded[0]})
     out_placement = with_dim(sharded[0], seq_dim + 1 if stacking and dim <= seq_dim else seq_dim)
     return Decision(out_placement, {t: sharded[0] for t in parts})
+
+
+@register(torch.gather, "gather")
+def gather_rule(node, view):
+    """``torch.gather(x, dim, index)``: each output element reads ``x`` where its index says, so the
+    output is sharded like ``index``; ``x`` is read whole along ``dim`` and row-aligned elsewhere."""
+    args = method_or_function_args(node, ("input", "dim", "index"))
+    source, dim, index = args["input"], args["dim"], args["index"]
+    factors = view.sharded(index)
+    if factors is None or view.sharded(source) is not None or factors[1:] != (1, 1):
+        return None
+    seq_dim = factors[0]
+    x = view.value(source)
+    if normalize_dim(dim, x.dim()) == seq_dim:
+        return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
+    if x.shape[seq_dim] != view.value(index).shape[seq_dim]:
+        return None
+    return Decision(view.placement(index), {index: view.placement(index), source: view.placement(index)})
