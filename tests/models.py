@@ -88,3 +88,24 @@ def zoo_inputs(kind: str, seq: int = 32) -> dict:
     if kind == "classify":
         labels = torch.tensor([0, 2])
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class MeanPooledClassifier(torch.nn.Module):
+    """A sequence classifier written plainly: transformer blocks, mean over tokens, a linear head."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        import nanogpt
+
+        config = nanogpt.GPTConfig(n_layer=2)
+        self.wte = torch.nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = torch.nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = torch.nn.ModuleList([nanogpt.Block(config) for _ in range(config.n_layer)])
+        self.head = torch.nn.Linear(config.n_embd, classes)
+
+    def forward(self, idx, labels):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x.mean(dim=1))
+        return logits, torch.nn.functional.cross_entropy(logits, labels)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nanogpt
-from models import model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
+from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from multirank import assert_close, compare_model, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -24,7 +24,7 @@ def _hf_case(kind: str, world_size: int):
 
 
 def _outputs(kind, result):
-    if kind == "nanogpt":
+    if kind in ("nanogpt", "mean_pooled"):
         logits, loss = result
         return {"loss": loss, "logits": logits}
     return {"loss": result.loss, "logits": result.logits}
@@ -33,6 +33,10 @@ def _outputs(kind, result):
 def equal_to_eager(rank, world_size, kind, compiler, options):
     if kind == "nanogpt":
         model, args, kwargs = nanogpt.make(seq_len=64)
+    elif kind == "mean_pooled":
+        torch.manual_seed(0)
+        model, kwargs = MeanPooledClassifier(), {}
+        args = (torch.randint(0, 128, (2, 64)), torch.tensor([1, 2]))
     else:
         model, args, kwargs = _hf_case(kind, world_size)
     reference = copy.deepcopy(model)
@@ -51,6 +55,7 @@ CASES = [
     ("gpt2", 4, "aot_eager"),
     ("nanogpt", 2, "inductor"),
     ("nanogpt", 4, "aot_eager"),
+    ("mean_pooled", 2, "aot_eager"),
 ]
 
 

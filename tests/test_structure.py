@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
-from models import model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
+from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError
 from ulysses_compile.backend import ulysses
 from ulysses_compile.collectives import (
@@ -194,3 +194,12 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
     assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
     assert len(calls(gm, heads_to_seq)) == layers
     assert gm.meta["ulysses_report"].fallbacks == []
+
+
+def test_mean_over_the_sequence_is_a_partial_sum(fake_group):
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(MeanPooledClassifier(), (torch.randint(0, 128, (2, 64)), torch.tensor([1, 2])))
+    assert calls(gm, gather_seq) == [] and gm.meta["ulysses_report"].fallbacks == []
+    (pooled,) = calls(gm, reduce_partial)
+    assert tuple(pooled.meta["val"].shape) == (2, 64)  # [B, hidden]: the only extra communication
