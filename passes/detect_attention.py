@@ -103,9 +103,9 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
     if not all(isinstance(size, int) for size in (*q.shape, *k.shape)):
         raise UnsupportedError(
             f"attention {module_path(node) or node.name}: query shape {tuple(q.shape)} and key shape "
-            f"{tuple(k.shape)} are symbolic (torch.compile made them dynamic, e.g. after a call with another "
-            f"sequence length); this version needs static sizes: use torch.compile(..., dynamic=False), "
-            f"which compiles once per length"
+            f"{tuple(k.shape)} are symbolic (torch.compile made them dynamic after a call with other input "
+            f"shapes); this version needs static sizes: use torch.compile(..., dynamic=False), which "
+            f"compiles once per input shape"
         )
     head_axis = q.dim() - 3
     key_source, key_repeat = unrepeated_heads(args["key"], head_axis)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ulysses_compile.errors import UnsupportedError
 from ulysses_compile.report import Fallback
 from ulysses_compile.sharding import (
     PLACEMENT_KEY,
@@ -32,11 +33,12 @@ from ulysses_compile.sharding import (
     NodeSharding,
     Partial,
     Shard,
+    describe,
     is_rank_local,
     is_sharded,
 )
 
-from .rules import RuleView, replicate_all, rule_for
+from .rules import RuleView, mutated_arg, replicate_all, rule_for
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
@@ -81,8 +83,28 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
     decision = rule(node, view) if rule else None
     if decision is None:
         reason = "no sharding rule for this op" if rule is None else "its sharded inputs cannot stay sharded here"
-        return _fallback(node, value, view, ctx, reason)
-    return NodeSharding(decision.output, value, {**partial_inputs, **decision.inputs}, decision.localize)
+        sharding = _fallback(node, value, view, ctx, reason)
+    else:
+        sharding = NodeSharding(decision.output, value, {**partial_inputs, **decision.inputs}, decision.localize)
+    _check_writes_in_place(node, sharding, view)
+    return sharding
+
+
+def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView) -> None:
+    """An op that writes into a rank-local tensor must run on that very tensor, never on a gathered or
+    reduced copy: later readers of the tensor would miss the write."""
+    written = mutated_arg(node)
+    if not isinstance(written, fx.Node):
+        return
+    have = view._placement_of(written)
+    if is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != have:
+        source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+        raise UnsupportedError(
+            f"{node.name} ({node.target}) writes in place into {written.name}, which is "
+            f"{describe(have)} (split over the sequence-parallel ranks) here, and this op has no sharded "
+            f"form; write it out of place (for example x = x.relu() instead of x.relu_(), or torch.cat / "
+            f"torch.where instead of an indexed assignment). At: {' / '.join(line.strip() for line in source)}"
+        )
 
 
 def _seed(node, value, view, ctx, rule) -> NodeSharding | None:

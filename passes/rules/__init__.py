@@ -9,6 +9,8 @@ node then runs on gathered inputs, which is always correct and is recorded as a 
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,12 +96,38 @@ def replicate_all(view: RuleView, node: fx.Node) -> dict[fx.Node, Placement]:
     return {arg: REPLICATE for arg in view.tensor_args(node)}
 
 
+KEYWORD_ALIASES = {"axis": "dim", "keepdims": "keepdim", "dim0": "dim", "source": "dim", "destination": "dim1"}
+
+
 def method_or_function_args(node: fx.Node, names: tuple[str, ...], defaults: dict | None = None) -> dict:
-    """Bind a node's positional and keyword arguments to parameter names (self/input first)."""
+    """Bind a node's positional and keyword arguments to parameter names (self/input first). numpy-style
+    keywords (``axis``, ``keepdims``) and torch's other spellings of dims land on ``dim``/``keepdim``."""
     bound = dict(defaults or {})
     bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
+    for key, value in node.kwargs.items():
+        bound[KEYWORD_ALIASES.get(key, key) if KEYWORD_ALIASES.get(key) in names else key] = value
     return bound
+
+
+_WRITES_FIRST_ARGUMENT = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
+}
+
+
+def mutated_arg(node: fx.Node):
+    """The argument an op writes into: ``x.add_(y)``, ``x += y``, ``x[i] = y``, ``F.relu(x, inplace=True)``."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        return node.args[0]
+    if node.op != "call_function" or not node.args:
+        return None
+    if node.target in _WRITES_FIRST_ARGUMENT:
+        return node.args[0]
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    return node.args[0] if bound.get("inplace") is True else None
 
 
 # Importing the families fills the registry.

@@ -51,6 +51,8 @@ def matmul_rule(node, view):
         dim = a_factors[0]
         if dim == a_value.dim() - 1:
             return None
+        if b_value.dim() == 1:  # [.., S, K] @ [K] -> [.., S]
+            return Decision(view.placement(a), {a: view.placement(a), b: REPLICATE})
         out_dim = dim + out.dim() - a_value.dim()
         b_dim = dim - (a_value.dim() - b_value.dim())
         if dim < a_value.dim() - 2 and b_dim >= 0 and b_value.shape[b_dim] != 1:
@@ -68,8 +70,9 @@ def matmul_rule(node, view):
 
 @register(F.embedding)
 def embedding_rule(node, view):
-    args = method_or_function_args(node, ("input", "weight"))
+    args = method_or_function_args(node, ("input", "weight", "padding_idx", "max_norm", "norm_type",
+                                          "scale_grad_by_freq", "sparse"))
     ids = args["input"]
-    if view.sharded(ids) is None:
-        return None
+    if view.sharded(ids) is None or args.get("max_norm") is not None or args.get("scale_grad_by_freq"):
+        return None  # both look at the whole batch's ids (max_norm even rewrites the weight in place)
     return Decision(view.placement(ids), {ids: view.placement(ids), args["weight"]: REPLICATE})

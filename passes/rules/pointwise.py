@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ulysses_compile.sharding import REPLICATE, seq_shard
 
-from . import Decision, register
+from . import Decision, mutated_arg, register
 
 UNARY_FUNCTIONS = (
     torch.abs, torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt, torch.tanh,
@@ -39,7 +39,9 @@ METHODS = (
     "contiguous", "clone", "detach", "add", "sub", "mul", "div", "pow", "masked_fill", "where", "eq",
     "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "lerp", "logical_and", "logical_or",
     "logical_not", "__and__", "__or__", "__invert__", "floor_divide", "remainder", "fmod", "erf",
-    "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_", "pow_", "float_power",
+    "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_", "pow_", "float_power", "relu_",
+    "sigmoid_", "tanh_", "exp_", "abs_", "sqrt_", "rsqrt_", "zero_", "fill_", "copy_", "clamp_min_",
+    "clamp_max_", "masked_scatter_", "lerp_", "addcmul_", "addcdiv_",
     "reciprocal", "sign", "softplus", "requires_grad_", "nan_to_num",
 )
 
@@ -72,9 +74,7 @@ def pointwise(node, view):
             demands[arg] = seq_shard(dim, outer, inner)
         else:
             return None
-    if node.op == "call_method" and node.target.endswith("_"):
-        # An in-place op must update the tensor it was given, not a converted copy of it.
-        self_arg = node.args[0]
-        if demands.get(self_arg) != view.placement(self_arg):
-            return None
+    written = mutated_arg(node)
+    if written is not None and demands.get(written) != view.placement(written):
+        return None  # an in-place op must update the tensor it was given, not a converted copy of it
     return Decision(seq_shard(out_dim, outer, inner), demands)

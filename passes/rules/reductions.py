@@ -21,17 +21,16 @@ from . import Decision, method_or_function_args, normalize_dim, register
 from .pointwise import pointwise
 
 
-def _reduced_dims(node, value) -> list[int] | None:
-    args = method_or_function_args(node, ("input", "dim", "keepdim"))
-    dim = args.get("dim")
+def _reduced_dims(node, value, params) -> list[int] | None:
+    dim = method_or_function_args(node, params).get("dim")
     if dim is None:
         return list(range(value.dim()))
     dims = dim if isinstance(dim, (list, tuple)) else [dim]
     return [normalize_dim(d, value.dim()) for d in dims]
 
 
-def _keepdim(node) -> bool:
-    return bool(method_or_function_args(node, ("input", "dim", "keepdim")).get("keepdim", False))
+def _keepdim(node, params) -> bool:
+    return bool(method_or_function_args(node, params).get("keepdim", False))
 
 
 def _scale_by_inverse_world(node: fx.Node, sharding, ctx) -> None:
@@ -41,23 +40,23 @@ def _scale_by_inverse_world(node: fx.Node, sharding, ctx) -> None:
     node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
-def _reduction(partial_ok: bool, scale: bool):
+def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")):
     def rule(node, view):
-        if view.is_tensor(method_or_function_args(node, ("input", "dim")).get("dim")):
+        if view.is_tensor(method_or_function_args(node, params).get("dim")):
             return pointwise(node, view)  # torch.max(a, b) and friends are elementwise
         source = node.args[0] if node.args else node.kwargs["input"]
         factors = view.sharded(source)
         if factors is None:
             return None
         value = view.value(source)
-        dims = _reduced_dims(node, value)
+        dims = _reduced_dims(node, value, params)
         dim = factors[0]
         outputs = view.value(node)
         if dim in dims:
             if not partial_ok or isinstance(outputs, tuple):
                 return None
             return Decision(PARTIAL, {source: view.placement(source)}, _scale_by_inverse_world if scale else None)
-        new_dim = dim if _keepdim(node) else dim - sum(1 for d in dims if d < dim)
+        new_dim = dim if _keepdim(node, params) else dim - sum(1 for d in dims if d < dim)
         placement = with_dim(view.placement(source), new_dim)
         if isinstance(outputs, tuple):  # (values, indices)
             placement = tuple(placement for _ in outputs)
@@ -70,9 +69,13 @@ register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, s
 register("mean", torch.mean)(_reduction(partial_ok=True, scale=True))
 register(
     "amax", torch.amax, "amin", torch.amin, "max", torch.max, "min", torch.min, "prod", torch.prod,
-    "var", torch.var, "std", torch.std, "norm", torch.norm, "logsumexp", torch.logsumexp, "all", torch.all,
-    "any", torch.any, "argmax", torch.argmax, "argmin", torch.argmin, "count_nonzero",
+    "logsumexp", torch.logsumexp, "all", torch.all, "any", torch.any, "argmax", torch.argmax, "argmin",
+    torch.argmin, "count_nonzero", torch.count_nonzero,
 )(_reduction(partial_ok=False, scale=False))
+register("var", torch.var, "std", torch.std)(
+    _reduction(partial_ok=False, scale=False, params=("input", "dim", "unbiased", "keepdim"))
+)
+register("norm", torch.norm)(_reduction(partial_ok=False, scale=False, params=("input", "p", "dim", "keepdim")))
 
 
 def _along_dim(sequence_localize=None):
@@ -84,7 +87,7 @@ def _along_dim(sequence_localize=None):
         factors = view.sharded(source)
         if factors is None:
             return None
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dim = method_or_function_args(node, ("input", "dim")).get("dim")
         placement = view.placement(source)
         if dim is None:
             return None
@@ -98,7 +101,7 @@ def _along_dim(sequence_localize=None):
 
 
 def _localize_cumsum(node: fx.Node, sharding, ctx) -> None:
-    dim = normalize_dim(node.args[1] if len(node.args) > 1 else node.kwargs["dim"], sharding.global_value.dim())
+    dim = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], sharding.global_value.dim())
     with node.graph.inserting_after(node):
         total = node.graph.call_function(add_previous_ranks_totals, (node, dim, ctx.rank, ctx.world_size,
                                                                        ctx.group_name))

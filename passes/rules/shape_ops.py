@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.sharding import PARTIAL, local_shape, seq_shard, with_dim
+from ulysses_compile.sharding import PARTIAL, REPLICATE, local_shape, seq_shard, with_dim
 
 from . import Decision, method_or_function_args, normalize_dim, register
 
@@ -99,50 +99,44 @@ def _dim_map_rule(mapping):
     return rule
 
 
-def _dims_arg(node):
-    dims = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
-    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-        dims = dims[0]
-    return list(dims)
-
-
 def _transpose(node, dim, in_value, out):
-    a, b = (normalize_dim(d, in_value.dim()) for d in _dims_arg(node)[:2])
+    args = method_or_function_args(node, ("input", "dim", "dim1"))
+    a, b = (normalize_dim(args[name], in_value.dim()) for name in ("dim", "dim1"))
     return b if dim == a else a if dim == b else dim
 
 
 def _permute(node, dim, in_value, out):
-    dims = [normalize_dim(d, in_value.dim()) for d in _dims_arg(node)]
-    return dims.index(dim)
+    dims = node.args[1:] if len(node.args) > 1 else node.kwargs["dims"]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    return [normalize_dim(d, in_value.dim()) for d in dims].index(dim)
 
 
 def _movedim(node, dim, in_value, out):
-    src, dst = _dims_arg(node)[:2]
-    order = list(range(in_value.dim()))
+    args = method_or_function_args(node, ("input", "dim", "dim1"))
+    src, dst = args["dim"], args["dim1"]
     src_list = [normalize_dim(d, in_value.dim()) for d in (src if isinstance(src, (list, tuple)) else [src])]
     dst_list = [normalize_dim(d, in_value.dim()) for d in (dst if isinstance(dst, (list, tuple)) else [dst])]
-    rest = [d for d in order if d not in src_list]
-    result = [None] * in_value.dim()
+    rest = iter([d for d in range(in_value.dim()) if d not in src_list])
+    order = [None] * in_value.dim()
     for s, d in zip(src_list, dst_list):
-        result[d] = s
-    it = iter(rest)
-    result = [r if r is not None else next(it) for r in result]
-    return result.index(dim)
+        order[d] = s
+    order = [s if s is not None else next(rest) for s in order]
+    return order.index(dim)
 
 
 def _unsqueeze(node, dim, in_value, out):
-    new = normalize_dim(_dims_arg(node)[0], out.dim())
+    new = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], out.dim())
     return dim + 1 if new <= dim else dim
 
 
 def _squeeze(node, dim, in_value, out):
-    dims = _dims_arg(node)
-    squeezed = (
-        [normalize_dim(d, in_value.dim()) for d in dims]
-        if dims
-        else [d for d in range(in_value.dim()) if in_value.shape[d] == 1]
-    )
-    squeezed = [d for d in squeezed if in_value.shape[d] == 1]
+    dims = method_or_function_args(node, ("input", "dim")).get("dim")
+    if dims is None:
+        squeezed = [d for d in range(in_value.dim()) if in_value.shape[d] == 1]
+    else:
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        squeezed = [d for d in (normalize_dim(d, in_value.dim()) for d in dims) if in_value.shape[d] == 1]
     if dim in squeezed:
         return None
     return dim - sum(1 for d in squeezed if d < dim)
@@ -170,6 +164,29 @@ def getitem_rule(node, view):
     placement = view.placement(source)
     if isinstance(placement, tuple):
         return Decision(placement[index], {})
+    return _indexed(view, source, index)
+
+
+@register(operator.setitem)
+def setitem_rule(node, view):
+    """``x[index] = value`` with the index leaving the sequence whole: each rank writes its block."""
+    target, index, value = node.args
+    region = _indexed(view, target, index)
+    if region is None or region.localize is not None:
+        return None
+    region_value = view.value(target)[index]
+    demands = {target: view.placement(target)}
+    if view.is_tensor(value):
+        value_dim = region.output.dim - (region_value.dim() - view.value(value).dim())
+        size = view.value(value).shape[value_dim] if value_dim >= 0 else 1
+        demands[value] = with_dim(region.output, value_dim) if size == region_value.shape[region.output.dim] \
+            and size > 1 else REPLICATE
+    return Decision(view.placement(target), demands)
+
+
+def _indexed(view, source, index) -> Decision | None:
+    """The placement of ``source[index]`` for a sequence-sharded ``source``."""
+    placement = view.placement(source)
     factors = view.sharded(source)
     if factors is None:
         return None
@@ -226,11 +243,8 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, lengt
 
 
 def _split_dim(node):
-    if node.target in ("unbind", torch.unbind):
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    else:
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return dim
+    names = ("input", "dim") if node.target in ("unbind", torch.unbind) else ("input", "sections", "dim")
+    return method_or_function_args(node, names, {"dim": 0})["dim"]
 
 
 @register("split", torch.split, "chunk", torch.chunk, "unbind", torch.unbind, "tensor_split", torch.tensor_split)
@@ -255,8 +269,8 @@ def _is_legacy_empty(value) -> bool:
 
 @register(torch.cat, torch.concat, torch.concatenate, torch.stack)
 def cat_rule(node, view):
-    tensors = node.args[0] if node.args else node.kwargs["tensors"]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    args = method_or_function_args(node, ("tensors", "dim"), {"dim": 0})
+    tensors, dim = args["tensors"], args["dim"]
     parts = [t for t in tensors if not _is_legacy_empty(view.value(t))]
     sharded = [view.placement(t) for t in parts if view.sharded(t) is not None]
     if not sharded or any(p != sharded[0] for p in sharded):
