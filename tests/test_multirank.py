@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nanogpt
+from op_probes import PROBES
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from multirank import assert_close, compare_model, run_ranks
 
@@ -114,3 +115,22 @@ def test_model_zoo_equal_to_eager_at_two_ranks():
 
 def test_shared_kv_heads_at_four_ranks():
     run_ranks(zoo_equal_to_eager, 4, ["falcon_mqa", "qwen2"])
+
+
+def probes_equal_to_eager(rank, world_size):
+    for name, make in PROBES.items():
+        torch.manual_seed(0)
+        model = make()
+        reference = copy.deepcopy(model)
+        ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+        weights = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(ids)
+        (got * weights).sum().backward()
+        want = reference(ids)
+        (want * weights).sum().backward()
+        compare_model(rank, model, reference, {f"{name} output": (got, want)}, None)
+
+
+def test_op_probes_equal_to_eager():
+    run_ranks(probes_equal_to_eager, 2)

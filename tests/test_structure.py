@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
-from ulysses_compile import DivisibilityError
+from ulysses_compile import DivisibilityError, UnsupportedError
 from ulysses_compile.backend import ulysses
 from ulysses_compile.collectives import (
     gather_kv_heads,
@@ -203,3 +203,18 @@ def test_mean_over_the_sequence_is_a_partial_sum(fake_group):
     assert calls(gm, gather_seq) == [] and gm.meta["ulysses_report"].fallbacks == []
     (pooled,) = calls(gm, reduce_partial)
     assert tuple(pooled.meta["val"].shape) == (2, 64)  # [B, hidden]: the only extra communication
+
+
+def test_in_place_write_without_a_sharded_form_is_an_error(fake_group):
+    from op_probes import Probe
+
+    def write_by_index(h):
+        h.index_fill_(1, torch.tensor([0]), 0.0)  # along the sharded sequence: no local form
+        return h
+
+    fake_group(2)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        rewritten_graphs(Probe(write_by_index), (torch.randint(0, 32, (2, 16)),))
+    error = raised.value.inner_exception
+    assert isinstance(error, UnsupportedError)
+    assert "writes in place into" in str(error) and "write it out of place" in str(error)

@@ -1,0 +1,89 @@
+"""Small plain-PyTorch models, each using one op the way people write it, around a real attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, HEADS = 32, 16, 2
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, HEADS, d // HEADS).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Probe(nn.Module):
+    """embedding -> attention -> ``op`` -> head; ``op`` is what the probe tests."""
+
+    def __init__(self, op, **embedding):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM, **embedding)
+        self.attn = Attention()
+        self.head = nn.Linear(DIM, VOCAB)
+        self.op = op
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.attn(h)
+        return self.head(self.op(h))
+
+
+def _setitem(h):
+    h[:, :, 0] = 0.0
+    return h
+
+
+def _relu_inplace(h):
+    h.relu_()
+    return h
+
+
+def _iadd_alias(h):
+    acc = torch.zeros(h.shape[0], h.shape[1], h.shape[2])
+    alias = acc.view(-1)
+    acc += h
+    return alias.view_as(h) * 2
+
+
+def _halves(h):
+    first, second = h.chunk(2, axis=2)
+    return torch.cat([second, first], axis=2) + h.mean(axis=-1, keepdims=True)
+
+
+def _dims_by_keyword(h):
+    t = h.unsqueeze(dim=1).transpose(dim0=2, dim1=3).squeeze(dim=1).transpose(dim0=1, dim1=2)
+    return t * torch.var(h, -1, True, True)
+
+
+def _matvec_and_norm(h):
+    scores = h @ torch.linspace(-1, 1, DIM)
+    return h * scores.unsqueeze(-1).tanh() / h.norm(2, -1, True)
+
+
+def _pool_first_and_cumsum(h):
+    first = h[:, 0]
+    running = torch.cumsum(h, dim=1) / torch.arange(1, h.shape[1] + 1).view(1, -1, 1)
+    return running + first.unsqueeze(1)
+
+
+PROBES = {
+    "setitem": lambda: Probe(_setitem),
+    "relu_": lambda: Probe(_relu_inplace),
+    "iadd_alias": lambda: Probe(_iadd_alias),
+    "axis_keywords": lambda: Probe(_halves),
+    "dim_keywords": lambda: Probe(_dims_by_keyword),
+    "matvec_norm": lambda: Probe(_matvec_and_norm),
+    "pool_first_cumsum": lambda: Probe(_pool_first_and_cumsum),
+    "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
+    "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
+}
