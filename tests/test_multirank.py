@@ -134,3 +134,31 @@ def probes_equal_to_eager(rank, world_size):
 
 def test_op_probes_equal_to_eager():
     run_ranks(probes_equal_to_eager, 2)
+
+
+class DropoutAfterAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from op_probes import Attention
+
+        self.attn = Attention()
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x + 0 * self.attn(x), p=0.25, training=True)
+
+
+def dropout_blocks(rank, world_size):
+    torch.manual_seed(0)
+    x = torch.ones(1, 64, 16, requires_grad=True)
+    out = torch.compile(DropoutAfterAttention(), backend="ulysses", options={"compiler": "aot_eager"})(x)
+    out.sum().backward()
+    kept = out.detach() != 0
+    assert torch.equal(out.detach()[kept], torch.full_like(out.detach()[kept], 1 / 0.75))
+    assert torch.equal(x.grad, out.detach())  # forward and backward use the same mask
+    blocks = out.detach().view(world_size, -1)
+    assert not torch.equal(blocks[0], blocks[1]), "ranks drew the same mask for their blocks"
+    assert 0.6 < (out != 0).float().mean().item() < 0.9
+
+
+def test_dropout_masks_differ_between_rank_blocks():
+    run_ranks(dropout_blocks, 2)

@@ -57,7 +57,8 @@ def _split_seq(shape, dim: int, outer: int, inner: int) -> list[int]:
     return [*shape[:dim], outer, seq, inner, *shape[dim + 1 :]]
 
 
-def _take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
+def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
+    """This rank's sequence block of a whole tensor (no communication)."""
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
     block = split.shape[dim + 1] // world_size
     local = split.narrow(dim + 1, rank * block, block)
@@ -81,7 +82,7 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
         ctx.args = (dim, outer, inner, world_size, group_name)
-        return _take_block(x, dim, outer, inner, rank, world_size).contiguous()
+        return take_block(x, dim, outer, inner, rank, world_size).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -96,7 +97,7 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None)
+        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None)
 
 
 class _ReducePartial(torch.autograd.Function):

@@ -1,5 +1,7 @@
 """Elementwise ops with broadcasting: the output is sharded where a sharded input lines up with it.
 
+Dropout draws, on every rank, the mask one device would draw and keeps the rank's block.
+
 A replicated operand that spans the whole sequence (RoPE's cos/sin, a learned position table) is
 sliced to the rank's block; one that broadcasts over the sequence (a norm weight, a scalar) is used
 as it is.
@@ -12,16 +14,17 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ulysses_compile.sharding import REPLICATE, seq_shard
+from ulysses_compile.collectives import take_block
+from ulysses_compile.sharding import REPLICATE, seq_factors, seq_shard
 
-from . import Decision, mutated_arg, register
+from . import Decision, method_or_function_args, mutated_arg, register
 
 UNARY_FUNCTIONS = (
     torch.abs, torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt, torch.tanh,
     torch.sigmoid, torch.relu, torch.erf, torch.neg, torch.clamp, torch.nan_to_num, torch.square,
     operator.neg, operator.pos, operator.invert, operator.not_,
     F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.softplus, F.sigmoid, F.tanh, F.hardtanh,
-    F.dropout, F.relu6, F.selu, F.celu, F.logsigmoid, F.hardswish, F.hardsigmoid,
+    F.relu6, F.selu, F.celu, F.logsigmoid, F.hardswish, F.hardsigmoid,
     torch._C._nn.gelu, torch._C._nn.silu,
 )
 BINARY_FUNCTIONS = (
@@ -78,3 +81,37 @@ def pointwise(node, view):
     if written is not None and demands.get(written) != view.placement(written):
         return None  # an in-place op must update the tensor it was given, not a converted copy of it
     return Decision(seq_shard(out_dim, outer, inner), demands)
+
+
+def dropout_block(x, p: float, training: bool, dim: int, outer: int, inner: int, rank: int, world_size: int):
+    """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
+    draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
+    independent, as on one device. Inductor computes only the block's elements of the random tensor."""
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world_size
+    keep = take_block(torch.rand(shape, device=x.device), dim, outer, inner, rank, world_size) >= p
+    return x * keep / (1 - p)
+
+
+def _localize_dropout(node, sharding, ctx) -> None:
+    args = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True})
+    node.target = dropout_block
+    node.args = (args["input"], args["p"], args["training"], *seq_factors(sharding.output), ctx.rank,
+                 ctx.world_size)
+    node.kwargs = {}
+
+
+DROPOUT_PARAMS = ("input", "p", "training", "inplace")
+
+
+@register(F.dropout, torch.dropout)
+def dropout_rule(node, view):
+    args = method_or_function_args(node, DROPOUT_PARAMS)
+    x = args["input"]
+    if view.sharded(x) is None or args.get("inplace"):
+        return None
+    return Decision(view.placement(x), {x: view.placement(x)}, _localize_dropout)
