@@ -162,3 +162,26 @@ def dropout_blocks(rank, world_size):
 
 def test_dropout_masks_differ_between_rank_blocks():
     run_ranks(dropout_blocks, 2)
+
+
+def group_and_mesh_options(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("sp",))
+    for options in ({"group": halves[rank // 2]}, {"mesh": mesh}):
+        model, args, kwargs = nanogpt.make(seq_len=32)
+        reference = copy.deepcopy(model)
+        torch._dynamo.reset()
+        logits, loss = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager", **options})(
+            *args, **kwargs
+        )
+        loss.backward()
+        want_logits, want_loss = reference(*args, **kwargs)
+        want_loss.backward()
+        compare_model(rank, model, reference, {"loss": (loss, want_loss), "logits": (logits, want_logits)}, None)
+
+
+def test_group_of_two_inside_four_ranks_and_a_mesh():
+    run_ranks(group_and_mesh_options, 4)

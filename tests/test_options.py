@@ -88,3 +88,12 @@ def test_by_name_without_import_and_without_process_group(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "OK" in done.stdout
     assert "torch.distributed is not initialized" in done.stderr
+
+
+def test_mesh_needs_an_sp_dim(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(2)
+    with pytest.raises(OptionsError) as raised:
+        Options.parse({"mesh": init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))})
+    assert "expected a dim named 'sp'" in str(raised.value)
