@@ -76,7 +76,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
     partial_inputs = {arg: REPLICATE for arg, p in zip(tensor_args, placements) if isinstance(p, Partial)}
     if partial_inputs:
         # Rules see reduced values: a partial sum is all-reduced before any op that is not a sum.
-        view = RuleView(view._placement_of, view.world_size, dict(partial_inputs))
+        view = view.overridden(partial_inputs)
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
         seeded = _seed(node, value, view, ctx, rule) if on_attention_path and rule else None
         return seeded or NodeSharding(_replicated_like(value), value)
@@ -96,7 +96,7 @@ def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView
     written = mutated_arg(node)
     if not isinstance(written, fx.Node):
         return
-    have = view._placement_of(written)
+    have = view.actual_placement(written)
     if is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != have:
         source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
         raise UnsupportedError(
@@ -114,7 +114,7 @@ def _seed(node, value, view, ctx, rule) -> NodeSharding | None:
         dim = _sequence_dim(view.value(arg), ctx.seq_lengths)
         if dim is None:
             continue
-        seeded_view = RuleView(view._placement_of, view.world_size, {**view.overrides, arg: Shard(dim)})
+        seeded_view = view.overridden({arg: Shard(dim)})
         decision = rule(node, seeded_view)
         if decision is not None and is_sharded(decision.output):
             return NodeSharding(decision.output, value, decision.inputs, decision.localize)

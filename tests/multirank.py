@@ -45,7 +45,7 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
     return error
 
 
-def compare_model(rank, compiled_module, eager_module, outputs, reference) -> dict[str, float]:
+def compare_model(rank, compiled_module, eager_module, outputs) -> dict[str, float]:
     """Compare outputs (name -> (got, want)) and every parameter gradient; returns the errors."""
     errors = {}
     for name, (got, want) in outputs.items():

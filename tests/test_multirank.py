@@ -46,7 +46,7 @@ def equal_to_eager(rank, world_size, kind, compiler, options):
     got["loss"].backward()
     want = _outputs(kind, reference(*args, **kwargs))
     want["loss"].backward()
-    compare_model(rank, model, reference, {k: (got[k], want[k]) for k in got}, None)
+    compare_model(rank, model, reference, {k: (got[k], want[k]) for k in got})
 
 
 CASES = [
@@ -106,7 +106,7 @@ def zoo_equal_to_eager(rank, world_size, names):
         want = reference(**inputs)
         want.loss.backward()
         compare_model(rank, model, reference, {f"{name} loss": (got.loss, want.loss),
-                                               f"{name} logits": (got.logits, want.logits)}, None)
+                                               f"{name} logits": (got.logits, want.logits)})
 
 
 def test_model_zoo_equal_to_eager_at_two_ranks():
@@ -129,7 +129,7 @@ def probes_equal_to_eager(rank, world_size):
         (got * weights).sum().backward()
         want = reference(ids)
         (want * weights).sum().backward()
-        compare_model(rank, model, reference, {f"{name} output": (got, want)}, None)
+        compare_model(rank, model, reference, {f"{name} output": (got, want)})
 
 
 def test_op_probes_equal_to_eager():
@@ -180,7 +180,7 @@ def group_and_mesh_options(rank, world_size):
         loss.backward()
         want_logits, want_loss = reference(*args, **kwargs)
         want_loss.backward()
-        compare_model(rank, model, reference, {"loss": (loss, want_loss), "logits": (logits, want_logits)}, None)
+        compare_model(rank, model, reference, {"loss": (loss, want_loss), "logits": (logits, want_logits)})
 
 
 def test_group_of_two_inside_four_ranks_and_a_mesh():

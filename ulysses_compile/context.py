@@ -21,9 +21,7 @@ class PassContext:
     report: Report = field(default_factory=Report)
     sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
     parameters: set[fx.Node] = field(default_factory=set)  # placeholders holding parameters/buffers
-
-    def __post_init__(self):
-        self.seq_lengths: set[int] = set()
+    seq_lengths: set[int] = field(default_factory=set)  # attention sequence lengths, propagation may shard
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:

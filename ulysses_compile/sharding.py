@@ -71,7 +71,8 @@ def is_rank_local(placement: OutputPlacement) -> bool:
 
 
 def with_dim(placement: Placement, dim: int) -> Placement:
-    dim_, outer, inner = seq_factors(placement)
+    """The same sequence sharding, on another tensor dim."""
+    _, outer, inner = seq_factors(placement)
     return seq_shard(dim, outer, inner)
 
 
@@ -83,11 +84,6 @@ def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int
     dim, outer, inner = factors
     seq = shape[dim] // (outer * inner)
     return shape[:dim] + (outer * (seq // world_size) * inner,) + shape[dim + 1 :]
-
-
-def seq_length(shape, placement: Placement) -> int:
-    dim, outer, inner = seq_factors(placement)
-    return shape[dim] // (outer * inner)
 
 
 @dataclass

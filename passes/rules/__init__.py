@@ -58,6 +58,13 @@ class RuleView:
         self.world_size = world_size
         self.overrides = overrides or {}
 
+    def overridden(self, overrides: dict) -> "RuleView":
+        return RuleView(self._placement_of, self.world_size, {**self.overrides, **overrides})
+
+    def actual_placement(self, arg) -> OutputPlacement:
+        """The placement propagation gave ``arg``, ignoring overrides."""
+        return self._placement_of(arg)
+
     def placement(self, arg) -> OutputPlacement:
         if not isinstance(arg, fx.Node):
             return None
