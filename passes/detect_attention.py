@@ -3,8 +3,11 @@
 Before (a Dynamo graph)::
 
     attn = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, ...)
+    probs = F.softmax(q @ k.transpose(-2, -1) * scale + mask, dim=-1)       # written by hand
+    out = probs @ v
 
-After: the graph is unchanged; ``ctx.sites`` holds one :class:`AttentionSite` per call, with its
+After: the hand-written result passes through ``attention_output(out)`` (an identity that marks where
+the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one :class:`AttentionSite` per call, with its
 module path, heads, KV heads, head dim, sequence lengths and mask, and ``ctx.seq_lengths`` the
 sequence lengths that propagation may shard. A site that cannot be split raises here, before any
 rewrite: heads or sequence lengths not divisible by the number of ranks.
@@ -19,6 +22,7 @@ import re
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
 
@@ -49,6 +53,11 @@ class AttentionSite:
     value_source: fx.Node | None = None
     kv_repeat: int = 1
     enable_gqa: bool = False
+    scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node`` is probs @ v)
+    side_inputs: tuple = ()  # what else the scores are combined with (masks, biases): kept whole
+
+    def mask_inputs(self) -> tuple:
+        return self.side_inputs + ((self.mask,) if isinstance(self.mask, fx.Node) else ())
 
     def kv_heads_shared(self, world_size: int) -> bool:
         """Fewer KV heads than ranks (MQA, small-group GQA): each rank gathers the one KV head its
@@ -83,13 +92,121 @@ def _value(node) -> torch.Tensor:
 
 
 def detect_attention(gm: fx.GraphModule, ctx) -> None:
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = _sdpa_site(node)
-            _check_divisibility(site, ctx.world_size)
-            ctx.sites.append(site)
-            ctx.seq_lengths |= {site.seq_len, site.kv_seq_len}
+        elif _is(node, SOFTMAX):
+            site = _handwritten_site(node)
+            if site is None:
+                continue
+            _mark_output(gm.graph, site.node)
+        else:
+            continue
+        _check_divisibility(site, ctx.world_size)
+        ctx.sites.append(site)
+        ctx.seq_lengths |= {site.seq_len, site.kv_seq_len}
     ctx.report.attention_sites = list(ctx.sites)
+
+
+SOFTMAX = (F.softmax, torch.softmax, "softmax")
+MATMUL = (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm")
+# Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, casts, dropout.
+BETWEEN = (
+    operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.masked_fill,
+    "mul", "div", "add", "masked_fill", "to", "float", "type_as", "contiguous", F.dropout, torch.dropout,
+)
+
+
+def _is(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
+
+
+def attention_output(x):
+    """Marks where a hand-written attention's result leaves the head-parallel region (identity)."""
+    return x
+
+
+def _mark_output(graph: fx.Graph, node: fx.Node) -> None:
+    with graph.inserting_after(node):
+        marker = graph.call_function(attention_output, (node,))
+    marker.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "stack_trace", "nn_module_stack")})
+    node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
+
+
+def _scores_matmul(node, side_inputs: list, depth: int = 0):
+    """The q @ k^T matmul that ``node`` (a softmax input) is computed from, through scales and masks;
+    the other tensors met on the way (masks, biases) are appended to ``side_inputs``."""
+    if _is(node, MATMUL):
+        return node
+    if depth > 6 or not _is(node, BETWEEN):
+        return None
+    found = None
+    for arg in node.args:
+        if found is None and isinstance(arg, fx.Node):
+            found = _scores_matmul(arg, side_inputs, depth + 1)
+            if found is not None:
+                continue
+        if isinstance(arg, fx.Node):
+            side_inputs.append(arg)
+    return found
+
+
+def _values_matmul(node, depth: int = 0):
+    """The probs @ v matmul that consumes a softmax result, through casts and dropout."""
+    for user in node.users:
+        if _is(user, MATMUL) and user.args[0] is node:
+            return user
+        if depth < 4 and _is(user, BETWEEN) and user.args[0] is node:
+            found = _values_matmul(user, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _transposed_last_dims(node):
+    """``k`` when ``node`` is ``k.transpose(-2, -1)`` (any spelling of the last two dims), else None."""
+    if not _is(node, ("transpose", torch.transpose)) or len(node.args) < 3:
+        return None
+    source = node.args[0]
+    ndim = _value(source).dim()
+    return source if {d % ndim for d in node.args[1:3]} == {ndim - 2, ndim - 1} else None
+
+
+def _handwritten_site(softmax: fx.Node) -> AttentionSite | None:
+    """``softmax(q @ k^T * scale [+ mask]) [dropout] @ v`` with q, k, v as ``[.., heads, seq, dim]``."""
+    out = _value(softmax)
+    dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+    if not isinstance(out, torch.Tensor) or out.dim() < 3 or dim is None or dim % out.dim() != out.dim() - 1:
+        return None
+    side_inputs: list[fx.Node] = []
+    scores, values_matmul = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    if scores is None or values_matmul is None:
+        return None
+    query, key, value = scores.args[0], _transposed_last_dims(scores.args[1]), values_matmul.args[1]
+    if key is None or not all(isinstance(n, fx.Node) for n in (query, value)):
+        return None
+    q, k, v = _value(query), _value(key), _value(value)
+    if not (q.dim() == k.dim() == v.dim() >= 3 and q.shape[-3] == k.shape[-3] == v.shape[-3]):
+        return None
+    return AttentionSite(
+        node=values_matmul,
+        form="matmul_softmax",
+        module=module_path(softmax),
+        query=query,
+        key=key,
+        value=value,
+        mask=None,
+        is_causal=False,
+        heads=q.shape[-3],
+        kv_heads=k.shape[-3],
+        head_dim=q.shape[-1],
+        seq_len=q.shape[-2],
+        kv_seq_len=k.shape[-2],
+        head_axis=q.dim() - 3,
+        seq_axis=q.dim() - 2,
+        scores=scores,
+        side_inputs=tuple(side_inputs),
+    )
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:

@@ -33,6 +33,8 @@ from .detect_attention import SDPA_PARAMS
 def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     for site in ctx.sites:
+        if site.scores is not None:
+            continue  # hand-written attention: redistribute already placed its all-to-alls
         node = site.node
         group = (site.seq_axis, site.head_axis, ctx.world_size, ctx.group_name)
         args = list(node.args)

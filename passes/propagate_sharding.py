@@ -43,8 +43,10 @@ from .rules import RuleView, mutated_arg, replicate_all, rule_for
 
 def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
     feeds_attention = _ancestors(n for site in ctx.sites for n in (site.query, site.key, site.value))
-    feeds_attention -= _ancestors(site.mask for site in ctx.sites if site.mask is not None)
-    site_nodes = {site.node for site in ctx.sites}
+    feeds_attention -= _ancestors(mask for site in ctx.sites for mask in site.mask_inputs())
+    site_nodes = {site.node for site in ctx.sites if site.scores is None}
+    # hand-written attention: q @ k^T and probs @ v run on this rank's heads (the ops between follow)
+    head_parallel = {n: site.head_axis for site in ctx.sites if site.scores is not None for n in (site.scores, site.node)}
     view = RuleView(_output_placement, ctx.world_size)
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
@@ -52,6 +54,9 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
             node.meta[PLACEMENT_KEY] = NodeSharding(_replicated_like(value), value)
         elif node.op == "output":
             continue
+        elif node in head_parallel:
+            by_heads = Shard(head_parallel[node])
+            node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, {arg: by_heads for arg in node.args[:2]})
         else:
             node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes)
 

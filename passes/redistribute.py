@@ -22,13 +22,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ulysses_compile.collectives import gather_seq, insert_call, reduce_partial, scatter_seq, sync_grad
+from ulysses_compile.collectives import gather_seq, insert_call, reduce_partial, scatter_seq, seq_to_heads, sync_grad
 from ulysses_compile.sharding import (
     PLACEMENT_KEY,
     REPLICATE,
     NodeSharding,
     Partial,
     Replicate,
+    Shard,
     is_rank_local,
     seq_factors,
     sharding_of,
@@ -57,6 +58,9 @@ class _Redistributor:
             have = REPLICATE
         if have == want:
             return node
+        if self._all_to_all_ok(node, have, want):
+            # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
+            return self._insert(seq_to_heads, (node, have.dim, want.dim, ctx.world_size, ctx.group_name), node, want)
         if seq_factors(have) is not None:
             node = self._insert(gather_seq, (node, *seq_factors(have), ctx.rank, ctx.world_size, ctx.group_name),
                                 node, REPLICATE)
@@ -67,6 +71,15 @@ class _Redistributor:
             raise AssertionError(f"no conversion to Partial for {node.name}")
         return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
                             node, want)
+
+    def _all_to_all_ok(self, node, have, want) -> bool:
+        value = sharding_of(node).global_value
+        return (
+            isinstance(have, Shard)
+            and isinstance(want, Shard)
+            and isinstance(value, torch.Tensor)
+            and value.shape[want.dim] % self.ctx.world_size == 0
+        )
 
     def _insert(self, fn, args, after: fx.Node, placement) -> fx.Node:
         new = insert_call(self.graph, fn, args, after=after)

@@ -72,6 +72,8 @@ def model_zoo() -> dict:
         "falcon_mqa": (_causal(t.FalconConfig, t.FalconForCausalLM, intermediate_size=None, num_key_value_heads=None,
                                hidden_dropout=0.0, attention_dropout=0.0), "causal"),
         "llama_mqa": (_causal(t.LlamaConfig, t.LlamaForCausalLM, num_key_value_heads=1), "causal"),
+        "llama_eager_attention": (_causal(t.LlamaConfig, t.LlamaForCausalLM, num_key_value_heads=4,
+                                          attn_implementation="eager"), "causal"),
         "bert_padding": (_encoder(t.BertConfig, t.BertForMaskedLM), "masked"),
         "roberta_padding": (_encoder(t.RobertaConfig, t.RobertaForMaskedLM, pad_token_id=1,
                                      max_position_embeddings=300), "masked"),

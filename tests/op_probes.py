@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,13 +24,36 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
+class ManualAttention(nn.Module):
+    """nanoGPT's attention without flash: a registered causal buffer, masked_fill, softmax, dropout."""
+
+    def __init__(self, block_size: int = 64):
+        super().__init__()
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+        self.attn_dropout = nn.Dropout(0.0)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        k = k.view(B, T, HEADS, C // HEADS).transpose(1, 2)
+        q = q.view(B, T, HEADS, C // HEADS).transpose(1, 2)
+        v = v.view(B, T, HEADS, C // HEADS).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
 class Probe(nn.Module):
     """embedding -> attention -> ``op`` -> head; ``op`` is what the probe tests."""
 
-    def __init__(self, op, **embedding):
+    def __init__(self, op, attention=Attention, **embedding):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM, **embedding)
-        self.attn = Attention()
+        self.attn = attention()
         self.head = nn.Linear(DIM, VOCAB)
         self.op = op
 
@@ -86,4 +111,5 @@ PROBES = {
     "pool_first_cumsum": lambda: Probe(_pool_first_and_cumsum),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
+    "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),
 }

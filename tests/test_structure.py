@@ -190,9 +190,9 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
     if name == "falcon_mqa":
         kv_heads = 1
     kv_by_all_to_all = kv_heads % world_size == 0
-    assert len(calls(gm, seq_to_heads)) == layers * (3 if kv_by_all_to_all else 1)
+    all_to_alls = len(calls(gm, seq_to_heads)) + len(calls(gm, heads_to_seq))
+    assert all_to_alls == layers * (4 if kv_by_all_to_all else 2)
     assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
-    assert len(calls(gm, heads_to_seq)) == layers
     assert gm.meta["ulysses_report"].fallbacks == []
 
 
@@ -218,3 +218,21 @@ def test_in_place_write_without_a_sharded_form_is_an_error(fake_group):
     error = raised.value.inner_exception
     assert isinstance(error, UnsupportedError)
     assert "writes in place into" in str(error) and "write it out of place" in str(error)
+
+
+def test_handwritten_attention_runs_on_heads(fake_group):
+    from op_probes import ManualAttention
+
+    fake_group(2)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(ManualAttention(), (torch.randn(2, 32, 16),))
+    report = gm.meta["ulysses_report"]
+    assert [site.form for site in report.attention_sites] == ["matmul_softmax"]
+    assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output is gathered
+    shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in calls(gm, seq_to_heads)]
+    assert sorted(shapes) == sorted([
+        ((2, 2, 16, 8), (2, 1, 32, 8)),  # q: sequence -> heads
+        ((2, 2, 8, 16), (2, 1, 8, 32)),  # k^T
+        ((2, 2, 16, 8), (2, 1, 32, 8)),  # v
+        ((2, 1, 32, 8), (2, 2, 16, 8)),  # the output: heads -> sequence
+    ]), shapes

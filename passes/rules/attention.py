@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from ulysses_compile.sharding import REPLICATE
 
-from ..detect_attention import SDPA_TARGETS, sdpa_arguments
+from ..detect_attention import SDPA_TARGETS, attention_output, sdpa_arguments
 
 from . import Decision, register
 
@@ -25,3 +25,11 @@ def sdpa_rule(node, view):
     if isinstance(mask, fx.Node):
         demands[mask] = REPLICATE
     return Decision(Shard(seq_axis), demands)
+
+
+@register(attention_output)
+def attention_output_rule(node, view):
+    """A hand-written attention's result goes back from head sharding to sequence sharding."""
+    x = node.args[0]
+    seq_axis = Shard(view.value(x).dim() - 2)
+    return Decision(seq_axis, {x: seq_axis})

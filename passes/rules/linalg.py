@@ -60,6 +60,14 @@ def matmul_rule(node, view):
         else:
             b_placement = REPLICATE
         return Decision(with_dim(view.placement(a), out_dim), {a: view.placement(a), b: b_placement})
+    if a_factors is not None and b_factors is not None and min(a_value.dim(), b_value.dim()) >= 3:
+        # batched matmul of two operands sharded on the same batch dim (heads inside an attention)
+        a_dim, b_dim = a_factors[0], b_factors[0]
+        out_dim = a_dim + out.dim() - a_value.dim()
+        if a_dim < a_value.dim() - 2 and out_dim == b_dim + out.dim() - b_value.dim() and a_factors == (a_dim, 1, 1) \
+                and b_factors == (b_dim, 1, 1):
+            return Decision(with_dim(view.placement(a), out_dim), {a: view.placement(a), b: view.placement(b)})
+        return None
     if b_factors is not None and a_factors is None and b_value.dim() >= 2:
         dim = b_factors[0]
         if dim != b_value.dim() - 1:
