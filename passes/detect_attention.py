@@ -188,7 +188,11 @@ def _handwritten_site(softmax: fx.Node) -> AttentionSite | None:
     q, k, v = _value(query), _value(key), _value(value)
     if not (q.dim() == k.dim() == v.dim() >= 3 and q.shape[-3] == k.shape[-3] == v.shape[-3]):
         return None
-    return AttentionSite(
+    head_axis = q.dim() - 3
+    key_source, key_repeat = unrepeated_heads(key, head_axis)
+    value_source, value_repeat = unrepeated_heads(value, head_axis)
+    repeated = key_repeat == value_repeat > 1
+    site = AttentionSite(
         node=values_matmul,
         form="matmul_softmax",
         module=module_path(softmax),
@@ -202,11 +206,15 @@ def _handwritten_site(softmax: fx.Node) -> AttentionSite | None:
         head_dim=q.shape[-1],
         seq_len=q.shape[-2],
         kv_seq_len=k.shape[-2],
-        head_axis=q.dim() - 3,
+        head_axis=head_axis,
         seq_axis=q.dim() - 2,
         scores=scores,
         side_inputs=tuple(side_inputs),
     )
+    if repeated:
+        site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
+        site.kv_heads = k.shape[-3] // key_repeat
+    return site
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:

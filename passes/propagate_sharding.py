@@ -45,8 +45,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
     feeds_attention = _ancestors(n for site in ctx.sites for n in (site.query, site.key, site.value))
     feeds_attention -= _ancestors(mask for site in ctx.sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in ctx.sites if site.scores is None}
-    # hand-written attention: q @ k^T and probs @ v run on this rank's heads (the ops between follow)
-    head_parallel = {n: site.head_axis for site in ctx.sites if site.scores is not None for n in (site.scores, site.node)}
+    head_parallel = _head_parallel_nodes(ctx)
     view = RuleView(_output_placement, ctx.world_size)
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
@@ -56,9 +55,26 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
             continue
         elif node in head_parallel:
             by_heads = Shard(head_parallel[node])
-            node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, {arg: by_heads for arg in node.args[:2]})
+            inputs = {arg: by_heads for arg in view.tensor_args(node)}
+            node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, inputs)
         else:
             node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes)
+
+
+def _head_parallel_nodes(ctx) -> dict[fx.Node, int]:
+    """Hand-written attention: q @ k^T and probs @ v run on this rank's heads (the ops between follow),
+    and so does a repeat of KV heads in front of it when the un-repeated heads divide over the ranks,
+    so that only those are sent."""
+    nodes = {}
+    for site in ctx.sites:
+        if site.scores is None:
+            continue
+        nodes[site.scores] = nodes[site.node] = site.head_axis
+        if site.kv_repeat > 1 and site.kv_heads % ctx.world_size == 0:
+            for source in (site.key_source, site.value_source):
+                for user in source.users:  # the unsqueeze that starts the repeat
+                    nodes[user] = site.head_axis
+    return nodes
 
 
 def _output_placement(node: fx.Node):

@@ -56,7 +56,7 @@ class _Redistributor:
         if isinstance(have, Partial):
             node = self._insert(reduce_partial, (node, ctx.group_name), node, REPLICATE)
             have = REPLICATE
-        if have == want:
+        if have == want or _same_blocks(have, want):
             return node
         if self._all_to_all_ok(node, have, want):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
@@ -92,6 +92,17 @@ class _Redistributor:
         if node not in self.synced:
             self.synced[node] = self._insert(sync_grad, (node, self.ctx.group_name), node, REPLICATE)
         return self.synced[node]
+
+
+def _same_blocks(have, want) -> bool:
+    """``MergedShard(d, 1, inner)`` and ``Shard(d)`` both hold one contiguous block of dim d per rank."""
+    have_factors, want_factors = seq_factors(have), seq_factors(want)
+    return (
+        have_factors is not None
+        and want_factors is not None
+        and have_factors[0] == want_factors[0]
+        and have_factors[1] == want_factors[1] == 1
+    )
 
 
 def _requires_grad(node: fx.Node) -> bool:

@@ -189,10 +189,16 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
     kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     if name == "falcon_mqa":
         kv_heads = 1
-    kv_by_all_to_all = kv_heads % world_size == 0
-    all_to_alls = len(calls(gm, seq_to_heads)) + len(calls(gm, heads_to_seq))
-    assert all_to_alls == layers * (4 if kv_by_all_to_all else 2)
+    handwritten = model.config._attn_implementation == "eager"
+    kv_by_all_to_all = kv_heads % world_size == 0 or handwritten
+    all_to_alls = calls(gm, seq_to_heads) + calls(gm, heads_to_seq)
+    assert len(all_to_alls) == layers * (4 if kv_by_all_to_all else 2)
     assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
+    if kv_heads % world_size == 0:  # q, k, v with all their (un-repeated) heads; the output with H/P
+        sent_heads = sorted(n.args[0].meta["val"].shape[1] for n in all_to_alls)
+        heads = model.config.num_attention_heads
+        expected = [kv_heads] * 2 * layers + [heads] * layers + [heads // world_size] * layers
+        assert sent_heads == sorted(expected)
     assert gm.meta["ulysses_report"].fallbacks == []
 
 
