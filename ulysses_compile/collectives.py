@@ -161,15 +161,8 @@ def seq_to_heads(x, seq_dim: int, head_dim: int, world_size: int, group_name: st
 
 
 def heads_to_seq(x, seq_dim: int, head_dim: int, world_size: int, group_name: str):
-    """The inverse of :func:`seq_to_heads`."""
-    seq = x.shape[seq_dim]
-    split = [*x.shape[:seq_dim], world_size, seq // world_size, *x.shape[seq_dim + 1 :]]
-    chunks = x.reshape(split).movedim(seq_dim, 0)  # chunk i is sequence block i, for rank i
-    received = _all_to_all_dim0(chunks, world_size, group_name)  # chunk j holds rank j's heads
-    joined = received.movedim(0, head_dim)
-    shape = list(joined.shape)
-    shape[head_dim : head_dim + 2] = [shape[head_dim] * shape[head_dim + 1]]
-    return joined.reshape(shape)
+    """The inverse of :func:`seq_to_heads`: the same all-to-all with the two dims' roles swapped."""
+    return seq_to_heads(x, head_dim, seq_dim, world_size, group_name)
 
 
 def gather_kv_heads(x, seq_dim: int, head_dim: int, rank: int, world_size: int, group_name: str):
