@@ -7,10 +7,10 @@ Before (a Dynamo graph)::
     out = probs @ v
 
 After: the hand-written result passes through ``attention_output(out)`` (an identity that marks where
-the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one :class:`AttentionSite` per call, with its
-module path, heads, KV heads, head dim, sequence lengths and mask, and ``ctx.seq_lengths`` the
-sequence lengths that propagation may shard. A site that cannot be split raises here, before any
-rewrite: heads or sequence lengths not divisible by the number of ranks.
+the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one
+:class:`AttentionSite` per call, with its module path, heads, KV heads, head dim, sequence lengths and
+mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site that cannot be
+split raises here, before any rewrite: heads or sequence lengths not divisible by the number of ranks.
 """
 
 from __future__ import annotations
@@ -188,33 +188,8 @@ def _handwritten_site(softmax: fx.Node) -> AttentionSite | None:
     q, k, v = _value(query), _value(key), _value(value)
     if not (q.dim() == k.dim() == v.dim() >= 3 and q.shape[-3] == k.shape[-3] == v.shape[-3]):
         return None
-    head_axis = q.dim() - 3
-    key_source, key_repeat = unrepeated_heads(key, head_axis)
-    value_source, value_repeat = unrepeated_heads(value, head_axis)
-    repeated = key_repeat == value_repeat > 1
-    site = AttentionSite(
-        node=values_matmul,
-        form="matmul_softmax",
-        module=module_path(softmax),
-        query=query,
-        key=key,
-        value=value,
-        mask=None,
-        is_causal=False,
-        heads=q.shape[-3],
-        kv_heads=k.shape[-3],
-        head_dim=q.shape[-1],
-        seq_len=q.shape[-2],
-        kv_seq_len=k.shape[-2],
-        head_axis=head_axis,
-        seq_axis=q.dim() - 2,
-        scores=scores,
-        side_inputs=tuple(side_inputs),
-    )
-    if repeated:
-        site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
-        site.kv_heads = k.shape[-3] // key_repeat
-    return site
+    return _site(values_matmul, "matmul_softmax", module_path(softmax), query, key, value, mask=None,
+                 is_causal=False, scores=scores, side_inputs=tuple(side_inputs))
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
@@ -232,30 +207,40 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
             f"shapes); this version needs static sizes: use torch.compile(..., dynamic=False), which "
             f"compiles once per input shape"
         )
-    head_axis = q.dim() - 3
-    key_source, key_repeat = unrepeated_heads(args["key"], head_axis)
-    value_source, value_repeat = unrepeated_heads(args["value"], head_axis)
-    repeated = key_repeat == value_repeat > 1
+    return _site(node, "scaled_dot_product_attention", module_path(node), args["query"], args["key"],
+                 args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)),
+                 enable_gqa=bool(args.get("enable_gqa", False)))
+
+
+def _site(node, form, module, query, key, value, **details) -> AttentionSite:
+    """A site with its sizes read off q and k (``[.., heads, seq, head_dim]``), and any KV repeat."""
+    q, k = _value(query), _value(key)
     site = AttentionSite(
         node=node,
-        form="scaled_dot_product_attention",
-        module=module_path(node),
-        query=args["query"],
-        key=args["key"],
-        value=args["value"],
-        mask=args.get("attn_mask"),
-        is_causal=bool(args.get("is_causal", False)),
+        form=form,
+        module=module,
+        query=query,
+        key=key,
+        value=value,
         heads=q.shape[-3],
-        kv_heads=k.shape[-3] // key_repeat if repeated else k.shape[-3],
+        kv_heads=k.shape[-3],
         head_dim=q.shape[-1],
         seq_len=q.shape[-2],
         kv_seq_len=k.shape[-2],
-        head_axis=head_axis,
+        head_axis=q.dim() - 3,
         seq_axis=q.dim() - 2,
-        enable_gqa=bool(args.get("enable_gqa", False)),
+        **details,
     )
-    if repeated:
+    return _with_kv_repeat(site)
+
+
+def _with_kv_repeat(site: AttentionSite) -> AttentionSite:
+    """Record a repeat of KV heads written in front of the attention (both key and value repeated)."""
+    key_source, key_repeat = unrepeated_heads(site.key, site.head_axis)
+    value_source, value_repeat = unrepeated_heads(site.value, site.head_axis)
+    if key_repeat == value_repeat > 1:
         site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
+        site.kv_heads //= key_repeat
     return site
 
 

@@ -83,6 +83,9 @@ def pointwise(node, view):
     return Decision(seq_shard(out_dim, outer, inner), demands)
 
 
+DROPOUT_PARAMS = ("input", "p", "training", "inplace")
+
+
 def dropout_block(x, p: float, training: bool, dim: int, outer: int, inner: int, rank: int, world_size: int):
     """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
     draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
@@ -103,9 +106,6 @@ def _localize_dropout(node, sharding, ctx) -> None:
     node.args = (args["input"], args["p"], args["training"], *seq_factors(sharding.output), ctx.rank,
                  ctx.world_size)
     node.kwargs = {}
-
-
-DROPOUT_PARAMS = ("input", "p", "training", "inplace")
 
 
 @register(F.dropout, torch.dropout)
