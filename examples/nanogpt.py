@@ -23,6 +23,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True  # False: nanoGPT's hand-written attention with its registered causal buffer
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,6 +34,11 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.flash = config.flash
+        if not self.flash:
+            causal = torch.tril(torch.ones(config.block_size, config.block_size))
+            self.register_buffer("bias", causal.view(1, 1, config.block_size, config.block_size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -40,9 +46,15 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
-        )
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+            )
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -115,10 +127,10 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def make(seq_len: int = 64, batch: int = 2, seed: int = 0):
+def make(seq_len: int = 64, batch: int = 2, seed: int = 0, **config):
     """FACTORY: a tiny GPT, token ids and next-token targets (with some ignored positions)."""
     torch.manual_seed(seed)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(**config))
     data = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1))
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     targets[0, : seq_len // 4] = -1

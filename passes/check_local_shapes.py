@@ -36,7 +36,7 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
             or not isinstance(sharding.global_value, torch.Tensor)
         ):
             continue
-        expected = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+        expected = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
         if tuple(local.shape) != expected:
             raise InternalError(
                 f"node {node.name} ({node.target}) has local shape {tuple(local.shape)} but placement "

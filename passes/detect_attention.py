@@ -15,7 +15,7 @@ split raises here, before any rewrite: heads or sequence lengths not divisible b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import operator
 import re
@@ -55,15 +55,16 @@ class AttentionSite:
     enable_gqa: bool = False
     scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node`` is probs @ v)
     side_inputs: tuple = ()  # what else the scores are combined with (masks, biases): kept whole
+    # Where q, k, v (and an SDPA mask) enter the site: role -> (node, argument index or keyword).
+    consumers: dict = field(default_factory=dict)
+    output_marker: fx.Node | None = None  # hand-written attention: its ``attention_output`` marker
+    # Hand-written attention's nodes that run on this rank's heads: node -> (its head dim, the head dim
+    # of inputs whose layout differs from its own).
+    region: dict = field(default_factory=dict)
 
     def mask_inputs(self) -> tuple:
         return self.side_inputs + ((self.mask,) if isinstance(self.mask, fx.Node) else ())
 
-    def kv_heads_shared(self, world_size: int) -> bool:
-        """Fewer KV heads than ranks (MQA, small-group GQA): each rank gathers the one KV head its
-        query heads use instead of receiving KV heads by all-to-all."""
-        grouped = self.kv_heads == 1 or self.enable_gqa or self.kv_repeat > 1
-        return self.kv_heads % world_size != 0 and world_size % self.kv_heads == 0 and grouped
 
     def summary(self) -> str:
         mask = "causal" if self.is_causal else ("mask" if self.mask is not None else "none")
@@ -97,9 +98,11 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
             site = _sdpa_site(node)
         elif _is(node, SOFTMAX):
             site = _handwritten_site(node)
-            if site is None:
+            if not isinstance(site, AttentionSite):
+                if site is not None:
+                    ctx.report.rejected_attention.append(f"{module_path(node) or node.name}: {site}")
                 continue
-            _mark_output(gm.graph, site.node)
+            site.output_marker = _mark_output(gm.graph, site)
         else:
             continue
         _check_divisibility(site, ctx.world_size)
@@ -110,6 +113,8 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
 
 SOFTMAX = (F.softmax, torch.softmax, "softmax")
 MATMUL = (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm")
+SCORES = MATMUL + (torch.baddbmm, "baddbmm", torch.einsum)
+VALUES = MATMUL + (torch.einsum,)
 # Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, casts, dropout.
 BETWEEN = (
     operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.masked_fill,
@@ -121,22 +126,24 @@ def _is(node, targets) -> bool:
     return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
 
 
-def attention_output(x):
+def attention_output(x, head_axis: int, seq_axis: int):
     """Marks where a hand-written attention's result leaves the head-parallel region (identity)."""
     return x
 
 
-def _mark_output(graph: fx.Graph, node: fx.Node) -> None:
+def _mark_output(graph: fx.Graph, site: "AttentionSite") -> fx.Node:
+    node = site.node
     with graph.inserting_after(node):
-        marker = graph.call_function(attention_output, (node,))
+        marker = graph.call_function(attention_output, (node, site.head_axis, site.seq_axis))
     marker.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "stack_trace", "nn_module_stack")})
     node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
+    return marker
 
 
 def _scores_matmul(node, side_inputs: list, depth: int = 0):
-    """The q @ k^T matmul that ``node`` (a softmax input) is computed from, through scales and masks;
+    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales and masks;
     the other tensors met on the way (masks, biases) are appended to ``side_inputs``."""
-    if _is(node, MATMUL):
+    if _is(node, SCORES):
         return node
     if depth > 6 or not _is(node, BETWEEN):
         return None
@@ -152,15 +159,19 @@ def _scores_matmul(node, side_inputs: list, depth: int = 0):
 
 
 def _values_matmul(node, depth: int = 0):
-    """The probs @ v matmul that consumes a softmax result, through casts and dropout."""
+    """The probs @ v node that consumes a softmax result (through casts and dropout), and the probs."""
     for user in node.users:
-        if _is(user, MATMUL) and user.args[0] is node:
+        if _is(user, VALUES) and _probs_operand(user) is node:
             return user
         if depth < 4 and _is(user, BETWEEN) and user.args[0] is node:
             found = _values_matmul(user, depth + 1)
             if found is not None:
                 return found
     return None
+
+
+def _probs_operand(node):
+    return node.args[1] if node.target is torch.einsum else node.args[0]
 
 
 def _transposed_last_dims(node):
@@ -172,24 +183,101 @@ def _transposed_last_dims(node):
     return source if {d % ndim for d in node.args[1:3]} == {ndim - 2, ndim - 1} else None
 
 
-def _handwritten_site(softmax: fx.Node) -> AttentionSite | None:
-    """``softmax(q @ k^T * scale [+ mask]) [dropout] @ v`` with q, k, v as ``[.., heads, seq, dim]``."""
+@dataclass
+class _Operands:
+    """One matmul-like node of a hand-written attention, read as attention: its two operands, where
+    each enters the node, and the dims (head, sequence) of each tensor involved."""
+
+    first: fx.Node
+    second: fx.Node
+    slots: dict  # "first"/"second" -> (consumer node, argument index)
+    axes: dict  # "first"/"second"/"out" -> (head axis, sequence axis)
+    form: str
+
+
+def _einsum_operands(node, role: str) -> "_Operands | str":
+    """``einsum("bhqd,bhkd->bhqk", q, k)`` (scores) or ``einsum("bhqk,bhkd->bhqd", p, v)`` (values):
+    the letters tell which dims are heads, query and key positions, in any layout."""
+    if len(node.args) != 3 or not isinstance(node.args[0], str) or "..." in node.args[0]:
+        return "einsum with other than two operands spelled out"
+    inputs, _, out = node.args[0].replace(" ", "").partition("->")
+    left, right = inputs.split(",")
+    batch = [c for c in left if c in right and c in out]
+    if not batch:
+        return f"einsum {node.args[0]!r} has no head dim shared by both operands and the result"
+    head = batch[-1]  # heads come after batch in [B, H, S, D] and [B, S, H, D]
+    left_only = [c for c in left if c not in right]
+    right_only = [c for c in right if c not in left]
+    contracted = [c for c in left if c in right and c not in out]
+    if len(left_only) != 1 or len(right_only) != 1 or len(contracted) != 1:
+        return f"einsum {node.args[0]!r} is not one attention product"
+    if role == "scores":  # q: (head, query), k: (head, key), scores: (head, key) for the softmax dim
+        query, key = left_only[0], right_only[0]
+        axes = {"first": (left.index(head), left.index(query)), "second": (right.index(head), right.index(key)),
+                "out": (out.index(head), out.index(key))}
+    else:  # probs: (head, key), v: (head, key), out: (head, query)
+        key = contracted[0]
+        axes = {"first": (left.index(head), left.index(key)), "second": (right.index(head), right.index(key)),
+                "out": (out.index(head), out.index(left_only[0]))}
+    return _Operands(node.args[1], node.args[2], {"first": (node, 1), "second": (node, 2)}, axes, "einsum")
+
+
+def _matmul_operands(node, role: str) -> "_Operands | str":
+    """``q @ k.transpose(-2, -1)`` / ``bmm`` / ``baddbmm(bias, q, k^T)`` and ``probs @ v``, on
+    ``[.., heads, seq, dim]`` (with bmm, ``[batch * heads, seq, dim]``)."""
+    first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
+    first, second = node.args[first_at], node.args[first_at + 1]
+    slots = {"first": (node, first_at), "second": (node, first_at + 1)}
+    if role == "scores":
+        key = _transposed_last_dims(second)
+        if key is None:
+            return "the second operand of q @ k^T is not k transposed in its last two dims"
+        slots["second"] = (second, 0)
+        second = key
+    ndim = _value(first).dim() if isinstance(first, fx.Node) else 0
+    if ndim < 3 or not isinstance(second, fx.Node) or _value(second).dim() != ndim:
+        return "q, k and v are not [.., heads, seq, head_dim] tensors of one rank"
+    axes = {"first": (ndim - 3, ndim - 2), "second": (ndim - 3, ndim - 2),
+            "out": (ndim - 3, ndim - 1 if role == "scores" else ndim - 2)}
+    return _Operands(first, second, slots, axes, "bmm" if ndim == 3 else "matmul")
+
+
+def _operands(node, role: str) -> "_Operands | str":
+    return _einsum_operands(node, role) if node.target is torch.einsum else _matmul_operands(node, role)
+
+
+def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
+    """``softmax(q @ k^T * scale [+ mask]) [dropout] @ v``, the products written with matmul, bmm,
+    baddbmm or einsum. None when the softmax is not between two products (no candidate); a reason
+    when it is but cannot be read as attention."""
     out = _value(softmax)
     dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
-    if not isinstance(out, torch.Tensor) or out.dim() < 3 or dim is None or dim % out.dim() != out.dim() - 1:
-        return None
     side_inputs: list[fx.Node] = []
-    scores, values_matmul = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
-    if scores is None or values_matmul is None:
+    scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    if scores_node is None or values_node is None or not isinstance(out, torch.Tensor) or dim is None:
         return None
-    query, key, value = scores.args[0], _transposed_last_dims(scores.args[1]), values_matmul.args[1]
-    if key is None or not all(isinstance(n, fx.Node) for n in (query, value)):
-        return None
+    scores, values = _operands(scores_node, "scores"), _operands(values_node, "values")
+    for found in (scores, values):
+        if isinstance(found, str):
+            return found
+    if dim % out.dim() != scores.axes["out"][1]:
+        return f"the softmax runs over dim {dim}, not over the key positions (dim {scores.axes['out'][1]})"
+    query, key, value = scores.first, scores.second, values.second
+    layouts = {scores.axes["first"], scores.axes["second"], values.axes["second"], values.axes["out"]}
+    if len(layouts) != 1:
+        return "q, k, v and the output do not share one layout of heads and sequence"
+    (head_axis, seq_axis), = layouts
     q, k, v = _value(query), _value(key), _value(value)
-    if not (q.dim() == k.dim() == v.dim() >= 3 and q.shape[-3] == k.shape[-3] == v.shape[-3]):
-        return None
-    return _site(values_matmul, "matmul_softmax", module_path(softmax), query, key, value, mask=None,
-                 is_causal=False, scores=scores, side_inputs=tuple(side_inputs))
+    if not (q.dim() == k.dim() == v.dim() and q.shape[head_axis] == k.shape[head_axis] == v.shape[head_axis]):
+        return "q, k and v have different numbers of heads"
+    probs = values.first
+    region = {scores.slots["second"][0]: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
+              values_node: (head_axis, {probs: values.axes["first"][0]})}
+    consumers = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
+    form = scores.form if scores.form == values.form else f"{scores.form}+{values.form}"
+    return _site(values_node, f"{form}_softmax", module_path(softmax), query, key, value, mask=None,
+                 is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs), consumers=consumers,
+                 region=region, head_axis=head_axis, seq_axis=seq_axis)
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
@@ -207,14 +295,23 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
             f"shapes); this version needs static sizes: use torch.compile(..., dynamic=False), which "
             f"compiles once per input shape"
         )
+    consumers = {}
+    for name in ("query", "key", "value", "attn_mask"):
+        if SDPA_PARAMS.index(name) < len(node.args):
+            consumers[name] = (node, SDPA_PARAMS.index(name))
+        elif name in node.kwargs:
+            consumers[name] = (node, name)
     return _site(node, "scaled_dot_product_attention", module_path(node), args["query"], args["key"],
                  args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)),
-                 enable_gqa=bool(args.get("enable_gqa", False)))
+                 enable_gqa=bool(args.get("enable_gqa", False)), consumers=consumers)
 
 
-def _site(node, form, module, query, key, value, **details) -> AttentionSite:
-    """A site with its sizes read off q and k (``[.., heads, seq, head_dim]``), and any KV repeat."""
+def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, **details) -> AttentionSite:
+    """A site with its sizes read off q and k (by default ``[.., heads, seq, head_dim]``), and any KV
+    repeat."""
     q, k = _value(query), _value(key)
+    head_axis = q.dim() - 3 if head_axis is None else head_axis
+    seq_axis = q.dim() - 2 if seq_axis is None else seq_axis
     site = AttentionSite(
         node=node,
         form=form,
@@ -222,13 +319,13 @@ def _site(node, form, module, query, key, value, **details) -> AttentionSite:
         query=query,
         key=key,
         value=value,
-        heads=q.shape[-3],
-        kv_heads=k.shape[-3],
+        heads=q.shape[head_axis],
+        kv_heads=k.shape[head_axis],
         head_dim=q.shape[-1],
-        seq_len=q.shape[-2],
-        kv_seq_len=k.shape[-2],
-        head_axis=q.dim() - 3,
-        seq_axis=q.dim() - 2,
+        seq_len=q.shape[seq_axis],
+        kv_seq_len=k.shape[seq_axis],
+        head_axis=head_axis,
+        seq_axis=seq_axis,
         **details,
     )
     return _with_kv_repeat(site)
@@ -296,15 +393,17 @@ def _inserts_dim(node: fx.Node, dim: int, ndim: int) -> bool:
 
 
 def _check_divisibility(site: AttentionSite, world_size: int) -> None:
+    """Heads split over the ranks in balanced blocks, so any count works as long as every rank gets
+    one; key/value heads that do not split like the query heads are gathered. Sequence lengths must
+    divide for now."""
     where = f"attention {site.module or site.node.name} ({site.form})"
-    for what, heads in (("query heads", site.heads), ("key/value heads", site.kv_heads)):
-        if heads % world_size and not (what.startswith("key") and site.kv_heads_shared(world_size)):
-            raise DivisibilityError(
-                f"{where}: {what} = {heads} is not divisible by the {world_size} sequence-parallel ranks; "
-                f"Ulysses gives each rank heads/P heads{_kv_hint(site, what)}. Use a number of ranks that "
-                f"divides {heads} (for example {_divisors(heads) or [1]}), or a model whose head counts are "
-                f"multiples of {world_size}"
-            )
+    if site.heads < world_size:
+        raise DivisibilityError(
+            f"{where}: {site.heads} query heads cannot be split over {world_size} sequence-parallel ranks; "
+            f"Ulysses gives each rank at least one whole head. Use at most {site.heads} ranks for sequence "
+            f"parallelism (with a mesh, put the other ranks on a \"dp\" dim), or a model with at least "
+            f"{world_size} heads"
+        )
     for what, length in (("query sequence length", site.seq_len), ("key sequence length", site.kv_seq_len)):
         if length % world_size:
             raise DivisibilityError(
@@ -312,13 +411,3 @@ def _check_divisibility(site: AttentionSite, world_size: int) -> None:
                 f"pad the batch to a multiple of {world_size} tokens (for example with the tokenizer's "
                 f"pad_to_multiple_of={world_size} and labels -100 on the padding)"
             )
-
-
-def _kv_hint(site: AttentionSite, what: str) -> str:
-    if what.startswith("key"):
-        return " (or, for grouped KV heads, a number of ranks that is a multiple of the KV heads)"
-    return ""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(2, n + 1) if n % d == 0]

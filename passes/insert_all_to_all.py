@@ -6,18 +6,23 @@ Before (q, k, v are ``[B, H, S/P, D]`` on each rank after redistribution)::
 
 After::
 
-    q_h = seq_to_heads(q, 2, 1, P, group)        # [B, H/P, S, D]
-    k_h = seq_to_heads(k, 2, 1, P, group)        # [B, Hkv/P, S, D]: GQA moves only the KV heads
-    v_h = seq_to_heads(v, 2, 1, P, group)
-    mask_h = narrow(mask, 1, rank * H/P, H/P)     # only when the mask has a head dim of size H
+    q_h = seq_to_heads(q, 2, 1, S, rank, P, group)     # [B, H/P, S, D]
+    k_h = seq_to_heads(k, 2, 1, S, rank, P, group)     # [B, Hkv/P, S, D]: GQA moves only the KV heads
+    v_h = seq_to_heads(v, 2, 1, S, rank, P, group)
+    mask_h = narrow(mask, 1, first_head, H/P)            # only when the mask has a head dim of size H
     out_h = scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask_h, is_causal=True)
-    out = heads_to_seq(out_h, 2, 1, P, group)    # [B, H, S/P, D]
+    out = heads_to_seq(out_h, 2, 1, H, rank, P, group)  # [B, H, S/P, D]
 
-With fewer KV heads than ranks (MQA, or GQA with P a multiple of the KV heads) each rank instead
-gathers the whole sequence of the one KV head its query heads use (``gather_kv_heads``). A repeat of
-KV heads written in the model (HF ``repeat_kv``) is moved after the communication, so repeated heads are
-never sent. The backward of each all-to-all is the inverse all-to-all (torch's autograd of
-all_to_all_single).
+Hand-written attention gets the same treatment around its head-parallel region: ``q`` into
+``q @ k^T``, ``k`` into its transpose, ``v`` into ``probs @ v``, and ``heads_to_seq`` in place of the
+``attention_output`` marker.
+
+Heads split over ranks in balanced blocks (``sharding.block_sizes``): 6 heads on 4 ranks go 2, 2, 1, 1,
+by one all-to-all with split sizes. Key/value heads travel by all-to-all when they split like the query
+heads; otherwise (MQA, fewer KV heads than ranks, uneven GQA) each rank gathers the whole sequence of
+the KV heads its query heads use (``gather_kv_heads``). A repeat of KV heads written in the model (HF
+``repeat_kv``) is redone after the communication, so repeated heads are never sent. The backward of
+each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
 """
 
 from __future__ import annotations
@@ -25,40 +30,49 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads
-from ulysses_compile.sharding import PLACEMENT_KEY, NodeSharding, Shard, sharding_of
-
-from .detect_attention import SDPA_PARAMS
+from ulysses_compile.sharding import PLACEMENT_KEY, NodeSharding, Shard, block_range, sharding_of
 
 
 def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     for site in ctx.sites:
-        if site.scores is not None:
-            continue  # hand-written attention: redistribute already placed its all-to-alls
-        node = site.node
-        group = (site.seq_axis, site.head_axis, ctx.world_size, ctx.group_name)
+        consumer, slot = site.consumers["query"]
+        query = _get_arg(consumer, slot)
+        _set_arg(consumer, slot, _mark(insert_call(
+            graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
+                                  ctx.group_name), before=consumer), Shard(site.head_axis), query))
+        replaced: list[tuple[fx.Node, fx.Node]] = []
+        for role, source in (("key", site.key_source), ("value", site.value_source)):
+            consumer, slot = site.consumers[role]
+            kv = _get_arg(consumer, slot)
+            _set_arg(consumer, slot, _kv_for_rank_heads(graph, consumer, kv, source, site, ctx, replaced))
+        if site.scores is None:
+            _narrow_mask_heads(graph, site, ctx)
+        output = site.node
+        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
+                                                       ctx.world_size, ctx.group_name), after=output),
+                     Shard(site.seq_axis), output)
+        output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        if site.output_marker is not None:
+            site.output_marker.replace_all_uses_with(back)
+            graph.erase_node(site.output_marker)
+        else:
+            _mark(output, Shard(site.head_axis), output)
+        for repeated, source in replaced:
+            _erase_unused_chain(graph, repeated, source)
+
+
+def _get_arg(node: fx.Node, slot: int | str):
+    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
+
+
+def _set_arg(node: fx.Node, slot: int | str, new) -> None:
+    if isinstance(slot, int):
         args = list(node.args)
-        kwargs = dict(node.kwargs)
-
-        def replace(name, transform):
-            if SDPA_PARAMS.index(name) < len(args):
-                position = SDPA_PARAMS.index(name)
-                args[position] = transform(args[position])
-            elif kwargs.get(name) is not None:
-                kwargs[name] = transform(kwargs[name])
-
-        replaced: list[fx.Node] = []
-        replace("query", lambda q: _mark(insert_call(graph, seq_to_heads, (q, *group), before=node),
-                                         Shard(site.head_axis), q))
-        for name, source in (("key", site.key_source), ("value", site.value_source)):
-            replace(name, lambda kv: _kv_for_rank_heads(graph, node, kv, source, site, ctx, replaced))
-        replace("attn_mask", lambda mask: _mask_for_rank_heads(graph, node, mask, ctx))
-        node.args, node.kwargs = tuple(args), kwargs
-        back = _mark(insert_call(graph, heads_to_seq, (node, *group), after=node), Shard(site.seq_axis), node)
-        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-        _mark(node, Shard(site.head_axis), node)
-        for chain in replaced:
-            _erase_if_unused(graph, chain)
+        args[slot] = new
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, slot: new}
 
 
 def repeat_heads(x, head_axis: int, repeat: int):
@@ -69,42 +83,47 @@ def repeat_heads(x, head_axis: int, repeat: int):
     return expanded.reshape(shape)
 
 
+def kv_by_all_to_all(site, world_size: int) -> bool:
+    """Whether KV heads split over the ranks exactly like the query heads that use them."""
+    return site.kv_heads == site.heads or (site.heads % world_size == 0 and site.kv_heads % world_size == 0)
+
+
 def _sharded_on(node: fx.Node | None, dim: int) -> bool:
     sharding = sharding_of(node) if node is not None else None
     return sharding is not None and sharding.output == Shard(dim)
 
 
-def _kv_for_rank_heads(graph, site_node, kv, source, site, ctx, replaced) -> fx.Node:
-    """Key or value for this rank's query heads. Communicates un-repeated KV heads: by all-to-all when
-    they divide over the ranks, else each rank gathers the one KV head its query heads share; a repeat
-    written in the model (repeat_kv) is redone locally afterwards."""
+def _kv_for_rank_heads(graph, before, kv, source, site, ctx, replaced) -> fx.Node:
+    """Key or value for this rank's query heads, communicating only un-repeated KV heads."""
     repeated = site.kv_repeat > 1 and _sharded_on(source, site.seq_axis)
     sent = source if repeated else kv
-    heads = sharding_of(sent).global_value.shape[site.head_axis]
-    if heads % ctx.world_size == 0:
-        local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, ctx.world_size,
-                                                        ctx.group_name), before=site_node), Shard(site.head_axis), sent)
-        local_heads = heads // ctx.world_size
-    else:
-        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, ctx.rank, ctx.world_size,
-                                                     ctx.group_name), before=site_node)
-        local.meta[PLACEMENT_KEY] = NodeSharding(None, None)  # one whole head: no placement describes it
-        local_heads = 1
+    if repeated:
+        replaced.append((kv, source))
+    if not kv_by_all_to_all(site, ctx.world_size):
+        first, count = block_range(site.heads, ctx.world_size, ctx.rank)
+        group = site.heads // site.kv_heads
+        kv_index = tuple(head // group for head in range(first, first + count))
+        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, kv_index,
+                                                     ctx.rank, ctx.world_size, ctx.group_name), before=before)
+        local.meta[PLACEMENT_KEY] = NodeSharding(None, None)  # KV heads picked per query head: no placement
+        return local
+    local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
+                                                    ctx.world_size, ctx.group_name), before=before),
+                  Shard(site.head_axis), sent)
     if not repeated:
         return local
-    replaced.append(kv)
-    repeat = site.heads // ctx.world_size // local_heads
-    return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, repeat), before=site_node),
+    return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=before),
                  Shard(site.head_axis), kv)
 
 
-def _erase_if_unused(graph, reshaped: fx.Node) -> None:
-    """Drop the repeat chain (reshape <- expand <- unsqueeze) where nothing else uses it."""
-    chain = [reshaped, reshaped.args[0], reshaped.args[0].args[0]]
-    for node in chain:
-        if node.users:
-            return
+def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:
+    """Drop the model's repeat of KV heads (reshape <- expand <- unsqueeze, or repeat_interleave) back
+    to its source, where nothing else uses it."""
+    node = repeated
+    while node is not source and not node.users:
+        inputs = node.all_input_nodes
         graph.erase_node(node)
+        node = inputs[0]
 
 
 def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
@@ -113,16 +132,19 @@ def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
     return node
 
 
-def _mask_for_rank_heads(graph, site_node, mask, ctx):
+def _narrow_mask_heads(graph, site, ctx) -> None:
+    if "attn_mask" not in site.consumers:
+        return
+    consumer, slot = site.consumers["attn_mask"]
+    mask = _get_arg(consumer, slot)
     if not isinstance(mask, fx.Node):
-        return mask
+        return
     value = sharding_of(mask).global_value
     head_dim = value.dim() - 3  # masks broadcast against [..., heads, query, key]
     if head_dim < 0 or value.shape[head_dim] == 1:
-        return mask
-    heads = value.shape[head_dim] // ctx.world_size
-    with graph.inserting_before(site_node):
-        narrowed = graph.call_method("narrow", (mask, head_dim, ctx.rank * heads, heads))
+        return
+    first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
+    with graph.inserting_before(site.node):
+        narrowed = graph.call_method("narrow", (mask, head_dim, first, count))
     narrowed.meta["ulysses_inserted"] = "mask_heads"
-    return _mark(narrowed, Shard(head_dim), mask)
-
+    _set_arg(consumer, slot, _mark(narrowed, Shard(head_dim), mask))

@@ -54,27 +54,38 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
         elif node.op == "output":
             continue
         elif node in head_parallel:
-            by_heads = Shard(head_parallel[node])
-            inputs = {arg: by_heads for arg in view.tensor_args(node)}
+            by_heads, entering = head_parallel[node]
+            inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value) for arg in view.tensor_args(node)}
             node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, inputs)
         else:
             node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes)
 
 
-def _head_parallel_nodes(ctx) -> dict[fx.Node, int]:
-    """Hand-written attention: q @ k^T and probs @ v run on this rank's heads (the ops between follow),
-    and so does a repeat of KV heads in front of it when the un-repeated heads divide over the ranks,
-    so that only those are sent."""
+def _head_parallel_nodes(ctx) -> dict[fx.Node, tuple[Shard, dict]]:
+    """Hand-written attention: k^T, q @ k^T and probs @ v run on this rank's heads (the ops between
+    follow). q, k and v enter them sequence-sharded; insert_all_to_all turns them to heads there."""
     nodes = {}
     for site in ctx.sites:
-        if site.scores is None:
-            continue
-        nodes[site.scores] = nodes[site.node] = site.head_axis
-        if site.kv_repeat > 1 and site.kv_heads % ctx.world_size == 0:
-            for source in (site.key_source, site.value_source):
-                for user in source.users:  # the unsqueeze that starts the repeat
-                    nodes[user] = site.head_axis
+        entering = {_entering(site, role): Shard(site.seq_axis) for role in ("query", "key", "value")}
+        for node, (head_axis, operands) in site.region.items():
+            nodes[node] = (Shard(head_axis), {**{arg: Shard(dim) for arg, dim in operands.items()}, **entering})
     return nodes
+
+
+def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
+    """A bias or mask entering the head-parallel region (baddbmm's input): its rank's heads when it has
+    the heads dim, whole when it broadcasts over heads."""
+    arg_value = arg.meta.get("example_value")
+    offset = arg_value.dim() - value.dim()
+    dim = by_heads.dim + offset
+    if 0 <= dim < arg_value.dim() and arg_value.shape[dim] == value.shape[by_heads.dim]:
+        return Shard(dim)
+    return REPLICATE
+
+
+def _entering(site, role: str) -> fx.Node:
+    consumer, slot = site.consumers[role]
+    return consumer.args[slot] if isinstance(slot, int) else consumer.kwargs[slot]
 
 
 def _output_placement(node: fx.Node):

@@ -8,10 +8,10 @@ Before (placements from propagate_sharding)::
 
 After::
 
-    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)   # a free local slice
+    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)      # a free local slice
     emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
     logits = linear(h, sync_grad(w_out, group))
-    return (loss, gather_seq(logits, 1, 1, 1, rank, P, group))
+    return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph.
@@ -60,10 +60,14 @@ class _Redistributor:
             return node
         if self._all_to_all_ok(node, have, want):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
-            return self._insert(seq_to_heads, (node, have.dim, want.dim, ctx.world_size, ctx.group_name), node, want)
+            length = sharding_of(node).global_value.shape[have.dim]
+            return self._insert(seq_to_heads, (node, have.dim, want.dim, length, ctx.rank, ctx.world_size,
+                                               ctx.group_name), node, want)
         if seq_factors(have) is not None:
-            node = self._insert(gather_seq, (node, *seq_factors(have), ctx.rank, ctx.world_size, ctx.group_name),
-                                node, REPLICATE)
+            dim, outer, inner = seq_factors(have)
+            length = sharding_of(node).global_value.shape[dim] // (outer * inner)
+            node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank, ctx.world_size,
+                                             ctx.group_name), node, REPLICATE)
             have = REPLICATE
         if have == want:
             return node
@@ -78,7 +82,7 @@ class _Redistributor:
             isinstance(have, Shard)
             and isinstance(want, Shard)
             and isinstance(value, torch.Tensor)
-            and value.shape[want.dim] % self.ctx.world_size == 0
+            and value.shape[want.dim] >= self.ctx.world_size
         )
 
     def _insert(self, fn, args, after: fx.Node, placement) -> fx.Node:

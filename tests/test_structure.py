@@ -133,38 +133,55 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : t
     l_x_ = L_x_
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
-    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, '0')
-    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, '0')
-    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, 1, 1, 1, 0, 2, '0')
+    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
+    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
+    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
     linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
     view = linear.view((2, 4, 3, 2, 8))
     permute = view.permute(2, 0, 3, 1, 4)
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, 2, 1, 2, '0')
-    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, 2, 1, 2, '0')
-    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, 2, 1, 2, '0')
+    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
+    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
+    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
     y = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
-    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, 2, 1, 2, '0')
+    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
     transpose = heads_to_seq.transpose(1, 2)
     reshape = transpose.reshape((2, 4, 16))
     linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
-    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, 1, 1, 1, 0, 2, '0')
+    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, dim = 1, outer = 1, inner = 1, length = 8, rank = 0, world_size = 2, group_name = '0')
     return (gather_seq,)""")
 
 
-def test_head_divisibility_error_names_the_site(fake_group):
-    fake_group(4)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_uneven_heads_split_two_two_one_one(fake_group, rank):
+    fake_group(4, rank)
     ids, labels = token_batch(seq=32)
     model = tiny_llama(heads=6, kv_heads=6, layers=1)
+    (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    heads = 2 if rank < 2 else 1  # 6 heads on 4 ranks: 2, 2, 1, 1
+    head_dim = model.config.head_dim
+    for node in calls(gm, seq_to_heads):
+        assert tuple(node.args[0].meta["val"].shape) == (2, 6, 8, head_dim)
+        assert tuple(node.meta["val"].shape) == (2, heads, 32, head_dim)
+    (back,) = calls(gm, heads_to_seq)
+    assert tuple(back.args[0].meta["val"].shape) == (2, heads, 32, head_dim)
+    assert tuple(back.meta["val"].shape) == (2, 6, 8, head_dim)
+    assert len(calls(gm, seq_to_heads)) == 3 and gm.meta["ulysses_report"].fallbacks == []
+
+
+def test_more_ranks_than_heads_is_an_error_that_names_the_site(fake_group):
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    model = tiny_llama(heads=2, kv_heads=2, layers=1)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
         rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
     error = raised.value.inner_exception
     assert isinstance(error, DivisibilityError)
     message = str(error)
-    assert "model.layers.0.self_attn" in message and "query heads = 6" in message
-    assert "not divisible by the 4 sequence-parallel ranks" in message and "[2, 3, 6]" in message
+    assert "model.layers.0.self_attn" in message and "2 query heads cannot be split over 4" in message
+    assert "at most 2 ranks" in message and '"dp" dim' in message
 
 
 def test_sequence_divisibility_error(fake_group):
@@ -189,8 +206,7 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
     kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     if name == "falcon_mqa":
         kv_heads = 1
-    handwritten = model.config._attn_implementation == "eager"
-    kv_by_all_to_all = kv_heads % world_size == 0 or handwritten
+    kv_by_all_to_all = kv_heads % world_size == 0
     all_to_alls = calls(gm, seq_to_heads) + calls(gm, heads_to_seq)
     assert len(all_to_alls) == layers * (4 if kv_by_all_to_all else 2)
     assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
@@ -235,10 +251,11 @@ def test_handwritten_attention_runs_on_heads(fake_group):
     report = gm.meta["ulysses_report"]
     assert [site.form for site in report.attention_sites] == ["matmul_softmax"]
     assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output is gathered
-    shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in calls(gm, seq_to_heads)]
-    assert sorted(shapes) == sorted([
+    shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape))
+              for n in calls(gm, seq_to_heads) + calls(gm, heads_to_seq)]
+    assert shapes == [
         ((2, 2, 16, 8), (2, 1, 32, 8)),  # q: sequence -> heads
-        ((2, 2, 8, 16), (2, 1, 8, 32)),  # k^T
+        ((2, 2, 16, 8), (2, 1, 32, 8)),  # k, before its transpose
         ((2, 2, 16, 8), (2, 1, 32, 8)),  # v
         ((2, 1, 32, 8), (2, 2, 16, 8)),  # the output: heads -> sequence
-    ]), shapes
+    ], shapes

@@ -2,14 +2,15 @@
 
 Each function is an ordinary differentiable torch function built from torch's functional collectives
 (``_c10d_functional`` ops followed by ``wait_tensor``), so AOTAutograd traces it into the forward graph,
-derives its backward, and Inductor sees (and can reorder) real collective ops. The backward of each
+derives its backward, and Inductor sees (and can reorder) real collective ops. Blocks follow
+``sharding.block_sizes``: balanced, uneven when P does not divide the dim. The backward of each
 placement change is chosen so that every rank ends up with single-device gradients:
 
 ===================  =========================  ======================================================
 function             forward                    backward
 ===================  =========================  ======================================================
 scatter_seq          R -> S: keep my block      S -> R: all-gather (the gradient is whole everywhere)
-gather_kv_heads      S -> one whole KV head     reduce-scatter (ranks sharing the head sum its gradient)
+gather_kv_heads      S -> whole KV heads        reduce-scatter (ranks sharing a head sum its gradient)
 add_previous_ranks_  cumsum over the sequence   reduce-scatter of the totals' gradients
 totals
 gather_seq           S -> R: all-gather         R -> S: keep my block of the (replicated) gradient
@@ -23,10 +24,14 @@ heads_to_seq         S(heads) -> S(seq)         the inverse all-to-all
 
 from __future__ import annotations
 
+import inspect
+import math
+
 import torch
 import torch.fx as fx
 
 from .compat import c10d_functional
+from .sharding import block_range, block_sizes
 
 __all__ = [
     "COLLECTIVES",
@@ -57,31 +62,42 @@ def _split_seq(shape, dim: int, outer: int, inner: int) -> list[int]:
     return [*shape[:dim], outer, seq, inner, *shape[dim + 1 :]]
 
 
+def _merge_seq(split: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(split.shape)
+    shape[dim : dim + 3] = [shape[dim] * shape[dim + 1] * shape[dim + 2]]
+    return split.reshape(shape)
+
+
 def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
     """This rank's sequence block of a whole tensor (no communication)."""
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
-    block = split.shape[dim + 1] // world_size
-    local = split.narrow(dim + 1, rank * block, block)
-    shape = list(x.shape)
-    shape[dim] = outer * block * inner
-    return local.reshape(shape)
+    start, size = block_range(split.shape[dim + 1], world_size, rank)
+    return _merge_seq(split.narrow(dim + 1, start, size), dim)
 
 
-def _gather_blocks(x: torch.Tensor, dim, outer, inner, world_size, group_name) -> torch.Tensor:
-    split = x.reshape(_split_seq(x.shape, dim, outer, inner))  # [..., outer, S/P, inner, ...]
+def _gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
+    """Every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
+    the largest, as all-gather needs equal sizes."""
+    sizes = block_sizes(length, world_size)
+    local_seq = x.shape[dim] // (outer * inner)
+    split = x.reshape([*x.shape[:dim], outer, local_seq, inner, *x.shape[dim + 1 :]])
     seq_axis = dim + 1
+    if local_seq < sizes[0]:
+        padding = list(split.shape)
+        padding[seq_axis] = sizes[0] - local_seq
+        split = torch.cat([split, split.new_zeros(padding)], seq_axis)
     gathered = _all_gather_dim0(split.movedim(seq_axis, 0), world_size, group_name)
-    # gathered: [P * S/P, ...rest] with the ranks' blocks in rank order along dim 0
-    full = gathered.movedim(0, seq_axis)
-    shape = list(x.shape)
-    shape[dim] = x.shape[dim] * world_size
-    return full.reshape(shape).contiguous()
+    # gathered: [P * block, ...rest] with the ranks' blocks in rank order along dim 0
+    if len(set(sizes)) > 1:
+        gathered = torch.cat([gathered.narrow(0, rank * sizes[0], size) for rank, size in enumerate(sizes)])
+    return _merge_seq(gathered.movedim(0, seq_axis), dim).contiguous()
 
 
 class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
-        ctx.args = (dim, outer, inner, world_size, group_name)
+        length = x.shape[dim] // (outer * inner)
+        ctx.args = (dim, outer, inner, length, world_size, group_name)
         return take_block(x, dim, outer, inner, rank, world_size).contiguous()
 
     @staticmethod
@@ -91,13 +107,13 @@ class _ScatterSeq(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
+    def forward(ctx, x, dim, outer, inner, length, rank, world_size, group_name):
         ctx.args = (dim, outer, inner, rank, world_size)
-        return _gather_blocks(x, dim, outer, inner, world_size, group_name)
+        return _gather_blocks(x, dim, outer, inner, length, world_size, group_name)
 
     @staticmethod
     def backward(ctx, grad):
-        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None)
+        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None, None)
 
 
 class _ReducePartial(torch.autograd.Function):
@@ -126,9 +142,9 @@ def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int,
     return _ScatterSeq.apply(x, dim, outer, inner, rank, world_size, group_name)
 
 
-def gather_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int, group_name: str):
-    """This rank's sequence block -> the whole tensor on every rank."""
-    return _GatherSeq.apply(x, dim, outer, inner, rank, world_size, group_name)
+def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank: int, world_size: int, group_name: str):
+    """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
+    return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
 
 
 def reduce_partial(x, group_name: str):
@@ -141,37 +157,68 @@ def sync_grad(x, group_name: str):
     return _SyncGrad.apply(x, group_name)
 
 
-def _all_to_all_dim0(x: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    # all_to_all_single has autograd registered by torch: its backward is the inverse all-to-all.
-    split = [x.shape[0] // world_size] * world_size
-    out = c10d_functional.all_to_all_single(x.contiguous(), split, split, group_name)
-    return c10d_functional.wait_tensor(out)
+def _all_to_all(chunks: list[torch.Tensor], received_shapes: list[list[int]], group_name: str) -> list[torch.Tensor]:
+    """Send ``chunks[j]`` to rank j; return what each rank j sent here, shaped ``received_shapes[j]``.
+    all_to_all_single has autograd registered by torch: its backward is the inverse all-to-all."""
+    flat = torch.cat([c.reshape(-1) for c in chunks])
+    received_numels = [math.prod(shape) for shape in received_shapes]
+    out = c10d_functional.all_to_all_single(flat, received_numels, [c.numel() for c in chunks], group_name)
+    pieces = c10d_functional.wait_tensor(out).split(received_numels)
+    return [piece.view(shape) for piece, shape in zip(pieces, received_shapes)]
 
 
-def seq_to_heads(x, seq_dim: int, head_dim: int, world_size: int, group_name: str):
-    """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence for this rank's heads."""
-    heads = x.shape[head_dim]
-    split = [*x.shape[:head_dim], world_size, heads // world_size, *x.shape[head_dim + 1 :]]
-    chunks = x.reshape(split).movedim(head_dim, 0)  # [P, .., H/P, .., S/P, ..]; chunk i goes to rank i
-    received = _all_to_all_dim0(chunks, world_size, group_name)  # [P, ...]: chunk j holds rank j's sequence block
-    joined = received.movedim(0, seq_dim)  # the source rank becomes the outer factor of the sequence
+def _reshard(x, from_dim: int, to_dim: int, from_length: int, rank: int, world_size: int, group_name: str):
+    """``x`` holds this rank's block of ``from_dim`` (global size ``from_length``) and all of ``to_dim``;
+    the result holds all of ``from_dim`` and this rank's block of ``to_dim``. Blocks may be uneven."""
+    to_sizes, from_sizes = block_sizes(x.shape[to_dim], world_size), block_sizes(from_length, world_size)
+    if len(set(to_sizes)) == 1 and len(set(from_sizes)) == 1:
+        return _reshard_even(x, from_dim, to_dim, world_size, group_name)
+    chunks = list(x.split(to_sizes, to_dim))
+
+    def received_shape(source):
+        shape = list(x.shape)
+        shape[to_dim], shape[from_dim] = to_sizes[rank], from_sizes[source]
+        return shape
+
+    pieces = _all_to_all(chunks, [received_shape(source) for source in range(world_size)], group_name)
+    return torch.cat(pieces, from_dim)
+
+
+def _reshard_even(x, from_dim: int, to_dim: int, world_size: int, group_name: str):
+    size = x.shape[to_dim]
+    split = [*x.shape[:to_dim], world_size, size // world_size, *x.shape[to_dim + 1 :]]
+    chunks = x.reshape(split).movedim(to_dim, 0).contiguous()  # [P, ...]; chunk j goes to rank j
+    rows = [1] * world_size
+    out = c10d_functional.all_to_all_single(chunks, rows, rows, group_name)
+    received = c10d_functional.wait_tensor(out)  # chunk j holds rank j's block of from_dim
+    joined = received.movedim(0, from_dim)  # the source rank becomes the outer factor of from_dim
     shape = list(joined.shape)
-    shape[seq_dim : seq_dim + 2] = [shape[seq_dim] * shape[seq_dim + 1]]
+    shape[from_dim : from_dim + 2] = [shape[from_dim] * shape[from_dim + 1]]
     return joined.reshape(shape)
 
 
-def heads_to_seq(x, seq_dim: int, head_dim: int, world_size: int, group_name: str):
+def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_size: int, group_name: str):
+    """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence (of global length
+    ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all."""
+    return _reshard(x, seq_dim, head_dim, seq_len, rank, world_size, group_name)
+
+
+def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
     """The inverse of :func:`seq_to_heads`: the same all-to-all with the two dims' roles swapped."""
-    return seq_to_heads(x, head_dim, seq_dim, world_size, group_name)
+    return _reshard(x, head_dim, seq_dim, heads, rank, world_size, group_name)
 
 
-def gather_kv_heads(x, seq_dim: int, head_dim: int, rank: int, world_size: int, group_name: str):
-    """``[.., Hkv, .., S/P, ..]`` with P a multiple of Hkv -> the whole sequence of the one KV head that
-    this rank's query heads use (``[.., 1, .., S, ..]``). Ranks sharing a KV head each hold part of its
-    gradient, so the backward is torch's all-gather backward: a reduce-scatter that sums them."""
-    heads = x.shape[head_dim]
-    gathered = _all_gather_dim0(x.movedim(seq_dim, 0), world_size, group_name).movedim(0, seq_dim)
-    return gathered.narrow(head_dim, rank // (world_size // heads), 1)
+def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tuple[int, ...], rank: int,
+                    world_size: int, group_name: str):
+    """``[.., Hkv, .., S/P, ..]`` -> the whole sequence of the KV heads ``kv_index`` (one per query
+    head of this rank, in order): for fewer KV heads than ranks, or KV heads that do not split like the
+    query heads. Ranks sharing a KV head each hold part of its gradient, so the backward is the
+    all-gather's: a reduce-scatter that sums them."""
+    whole = _gather_blocks(x, seq_dim, 1, 1, seq_len, world_size, group_name)
+    first = kv_index[0]
+    if list(kv_index) == list(range(first, first + len(kv_index))):
+        return whole.narrow(head_dim, first, len(kv_index))
+    return whole.index_select(head_dim, torch.tensor(kv_index, device=x.device))
 
 
 def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int, group_name: str):
@@ -188,11 +235,13 @@ COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq
 
 
 def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:
-    """Create a call of one of this module's functions at a point; never among the placeholders."""
+    """Create a call of one of this module's functions at a point; never among the placeholders.
+    Arguments after the tensor are passed by keyword, so the graph code reads what each one is."""
     if after is not None and after.op == "placeholder":
         after = [n for n in graph.nodes if n.op == "placeholder"][-1]
     anchor = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
+    names = list(inspect.signature(fn).parameters)[1:]
     with anchor:
-        node = graph.call_function(fn, args)
+        node = graph.call_function(fn, args[:1], dict(zip(names, args[1:])))
     node.meta["ulysses_inserted"] = fn.__name__
     return node

@@ -14,6 +14,7 @@ import torch.fx as fx
 from .collectives import COLLECTIVES
 from .context import PassContext
 from .passes.check_local_shapes import check_local_shapes
+from .passes.decompose_multi_head_attention import decompose_multi_head_attention
 from .passes.detect_attention import detect_attention
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
@@ -24,6 +25,7 @@ from .report import Collective
 log = logging.getLogger("ulysses_compile")
 
 PASSES = (
+    decompose_multi_head_attention,
     detect_attention,
     propagate_sharding,
     redistribute,

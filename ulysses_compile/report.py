@@ -27,6 +27,7 @@ class Collective:
 @dataclass
 class Report:
     attention_sites: list = field(default_factory=list)
+    rejected_attention: list[str] = field(default_factory=list)  # "module: why it is not parallelized"
     fallbacks: list[Fallback] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
@@ -35,6 +36,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"attention sites: {len(self.attention_sites)}"]
         lines += [f"  {site.summary()}" for site in self.attention_sites]
+        lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]
         counts: dict[str, int] = {}
         for c in self.collectives:
             counts[c.kind] = counts.get(c.kind, 0) + 1

@@ -1,7 +1,7 @@
 """Placements of graph values over the sequence-parallel ranks, kept in one typed ``node.meta`` key.
 
 A value is ``Replicate()`` (every rank holds the whole global tensor), ``Shard(d)`` (rank r holds the
-r-th of P equal contiguous blocks of dim d, which is the sequence), ``Partial()`` (the global value is
+r-th of P contiguous blocks of dim d: the sequence, or the heads inside attention), ``Partial()`` (the global value is
 the sum of the ranks' values) or ``MergedShard(d, outer, inner)``: dim d merges the sequence with
 other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is sharded, so a
 rank holds ``outer`` separate blocks. DTensor has no public placement for that last case.
@@ -41,6 +41,19 @@ REPLICATE = Replicate()
 PARTIAL = Partial()
 
 
+def block_sizes(length: int, world_size: int) -> list[int]:
+    """The sizes of the P blocks of a sharded dim: balanced, the first ``length % P`` one larger
+    (6 heads on 4 ranks: 2, 2, 1, 1). Unlike ``torch.chunk`` (2, 2, 2, 0), no rank idles."""
+    base, extra = divmod(length, world_size)
+    return [base + (rank < extra) for rank in range(world_size)]
+
+
+def block_range(length: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, size)`` of rank ``rank``'s block."""
+    sizes = block_sizes(length, world_size)
+    return sum(sizes[:rank]), sizes[rank]
+
+
 def seq_shard(dim: int, outer: int = 1, inner: int = 1) -> Placement:
     """The canonical placement for a sequence sharded inside dim ``dim`` as ``[outer, S, inner]``."""
     if outer == 1 and inner == 1:
@@ -76,14 +89,14 @@ def with_dim(placement: Placement, dim: int) -> Placement:
     return seq_shard(dim, outer, inner)
 
 
-def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int) -> tuple[int, ...]:
+def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int, rank: int) -> tuple[int, ...]:
     factors = seq_factors(placement)
     shape = tuple(shape)
     if factors is None:
         return shape
     dim, outer, inner = factors
-    seq = shape[dim] // (outer * inner)
-    return shape[:dim] + (outer * (seq // world_size) * inner,) + shape[dim + 1 :]
+    _, block = block_range(shape[dim] // (outer * inner), world_size, rank)
+    return shape[:dim] + (outer * block * inner,) + shape[dim + 1 :]
 
 
 @dataclass

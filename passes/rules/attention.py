@@ -2,6 +2,7 @@
 
 Inside, passes/insert_all_to_all.py trades the sequence sharding for head sharding and back. The mask
 must arrive whole (Replicate): after the all-to-all each rank attends over the full sequence.
+A hand-written attention's head-parallel region is placed by propagate_sharding itself.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def sdpa_rule(node, view):
 
 @register(attention_output)
 def attention_output_rule(node, view):
-    """A hand-written attention's result goes back from head sharding to sequence sharding."""
-    x = node.args[0]
-    seq_axis = Shard(view.value(x).dim() - 2)
-    return Decision(seq_axis, {x: seq_axis})
+    """A hand-written attention's result leaves its heads for the sequence: insert_all_to_all makes
+    this marker the all-to-all."""
+    x, head_axis, seq_axis = node.args
+    return Decision(Shard(seq_axis), {x: Shard(head_axis)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.collectives import take_block
@@ -83,10 +84,23 @@ def pointwise(node, view):
     return Decision(seq_shard(out_dim, outer, inner), demands)
 
 
+@register("type_as", "to")
+def cast_like_rule(node, view):
+    """``x.type_as(y)`` / ``x.to(y)`` read only y's dtype and device: x keeps its placement and y stays
+    where it is."""
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if not isinstance(other, fx.Node) or not isinstance(view.value(other), torch.Tensor):
+        return pointwise(node, view)
+    source = node.args[0]
+    placement = view.placement(source)
+    return Decision(placement, {source: placement, other: view.actual_placement(other)})
+
+
 DROPOUT_PARAMS = ("input", "p", "training", "inplace")
 
 
-def dropout_block(x, p: float, training: bool, dim: int, outer: int, inner: int, rank: int, world_size: int):
+def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank: int,
+                  world_size: int):
     """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
     draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
     independent, as on one device. Inductor computes only the block's elements of the random tensor."""
@@ -94,8 +108,6 @@ def dropout_block(x, p: float, training: bool, dim: int, outer: int, inner: int,
         return x
     if p == 1:
         return x * 0
-    shape = list(x.shape)
-    shape[dim] = shape[dim] * world_size
     keep = take_block(torch.rand(shape, device=x.device), dim, outer, inner, rank, world_size) >= p
     return x * keep / (1 - p)
 
@@ -103,8 +115,8 @@ def dropout_block(x, p: float, training: bool, dim: int, outer: int, inner: int,
 def _localize_dropout(node, sharding, ctx) -> None:
     args = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True})
     node.target = dropout_block
-    node.args = (args["input"], args["p"], args["training"], *seq_factors(sharding.output), ctx.rank,
-                 ctx.world_size)
+    node.args = (args["input"], args["p"], args["training"], tuple(sharding.global_value.shape),
+                 *seq_factors(sharding.output), ctx.rank, ctx.world_size)
     node.kwargs = {}
 
 

@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.sharding import PARTIAL, REPLICATE, local_shape, seq_shard, with_dim
+from ulysses_compile.sharding import PARTIAL, REPLICATE, block_range, local_shape, seq_shard, with_dim
 
 from . import Decision, method_or_function_args, normalize_dim, register
 
@@ -40,7 +40,7 @@ def view_placement(in_shape, out_shape, factors):
 
 def _localize_view(method: str):
     def localize(node: fx.Node, sharding, ctx) -> None:
-        shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+        shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
         node.op, node.target = "call_method", method
         node.args, node.kwargs = (node.args[0], shape), {}
 
@@ -63,7 +63,7 @@ def view_rule(node, view):
 
 
 def _localize_expand(node: fx.Node, sharding, ctx) -> None:
-    shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size)
+    shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
     node.op, node.target = "call_method", "expand"
     node.args, node.kwargs = (node.args[0], shape), {}
 
@@ -230,8 +230,10 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, lengt
     """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
     so the partial values sum to the global result (pooling on the first or last token). The zeros stay
     connected to ``x`` so every rank's backward runs the same collectives."""
-    block = length // ctx.world_size
-    owner, local = divmod(entries[position] % length, block)
+    index = entries[position] % length
+    starts = [block_range(length, ctx.world_size, rank)[0] for rank in range(ctx.world_size)]
+    owner = max(rank for rank, start in enumerate(starts) if start <= index)
+    local = index - starts[owner]
     entries = list(entries)
     entries[position] = local if ctx.rank == owner else 0
     node.args = (node.args[0], tuple(entries))

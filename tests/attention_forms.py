@@ -1,0 +1,155 @@
+"""Attention written the ways real code writes it, each in a small model, for structure and numerics tests.
+
+``FORMS[name]()`` returns ``(model, args, kwargs)``; :func:`outputs_of` turns any of their results
+into named tensors, the first of which is a scalar to call backward on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanogpt
+from models import VOCAB, token_batch, tiny_llama
+
+DIM, HEADS, SEQ = 32, 4, 32
+
+
+def _features(seq: int = SEQ, seed: int = 3) -> torch.Tensor:
+    return torch.randn(2, seq, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+class EinsumAttention(nn.Module):
+    """[B, S, H, D] throughout, products as einsum, an additive causal mask, softmax in float32."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
+        mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        probs = (scores + mask).float().softmax(dim=-1).type_as(q)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return self.out(out.reshape(b, s, -1))
+
+
+class BaddbmmAttention(nn.Module):
+    """Heads merged into the batch, ``[B*H, S, D]``, as older transformers models write it: baddbmm
+    adds a causal bias and scales q @ k^T in one call, bmm applies the probabilities."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, self.head_dim).transpose(1, 2).reshape(b * self.heads, s, -1)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        bias = torch.zeros(b * self.heads, s, s, device=x.device).masked_fill(causal, float("-inf"))
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=1 / math.sqrt(self.head_dim))
+        out = torch.bmm(F.softmax(scores, dim=-1), v)
+        return self.out(out.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, d))
+
+
+class NotAttention(nn.Module):
+    """Softmax over a non-key dim between two products: a mixing layer, not attention."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.attn = EinsumAttention(dim, heads)
+        self.heads = heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.attn(x).view(b, s, self.heads, -1).transpose(1, 2)
+        mixing = F.softmax(h @ h.transpose(-2, -1), dim=-2)  # normalized over queries, not keys
+        return (mixing @ h).transpose(1, 2).reshape(b, s, d)
+
+
+class PaddedSelfAttention(nn.Module):
+    """nn.MultiheadAttention called the common way: ``out, _ = mha(x, x, x, key_padding_mask=...)``."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, padding):
+        out, _ = self.mha(x, x, x, key_padding_mask=padding)
+        return self.norm(x + out)
+
+
+def _padding(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
+    padding = torch.zeros(batch, seq, dtype=torch.bool)
+    padding[1, seq - 5 :] = True
+    return padding
+
+
+def _encoder_decoder():
+    """nn.Transformer with a 32-token source and a 16-token target: causal self-attention in the
+    decoder, cross-attention from target to source, padding masks on the source."""
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=DIM, nhead=HEADS, num_encoder_layers=1, num_decoder_layers=1,
+                           dim_feedforward=2 * DIM, dropout=0.0, batch_first=True)
+    source, target = _features(SEQ), _features(SEQ // 2, seed=5)
+    padding = _padding()
+    kwargs = {"tgt_mask": nn.Transformer.generate_square_subsequent_mask(SEQ // 2), "tgt_is_causal": True,
+              "src_key_padding_mask": padding, "memory_key_padding_mask": padding}
+    return model, (source, target), kwargs
+
+
+def _hf(model, seq: int = SEQ):
+    ids, labels = token_batch(seq=seq)
+    return model, (), {"input_ids": ids, "labels": labels, "use_cache": False}
+
+
+def _eager_llama(**config):
+    model = tiny_llama(**config)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def _seeded(make):
+    def seeded():
+        torch.manual_seed(0)  # every rank builds the same weights, as a launcher's ranks would load them
+        return make()
+
+    return seeded
+
+
+FORMS = {
+    "nanogpt_manual": lambda: nanogpt.make(seq_len=SEQ, flash=False),
+    "einsum_bshd": _seeded(lambda: (EinsumAttention(), (_features(),), {})),
+    "baddbmm_merged_heads": _seeded(lambda: (BaddbmmAttention(), (_features(),), {})),
+    "llama_eager_gqa_gathered": lambda: _hf(_eager_llama(heads=8, kv_heads=2, layers=1)),
+    "llama_6_heads": lambda: _hf(tiny_llama(heads=6, kv_heads=6, layers=1)),
+    "llama_6_heads_gqa_3": lambda: _hf(tiny_llama(heads=6, kv_heads=3, layers=1)),
+    "llama_mqa": lambda: _hf(tiny_llama(heads=4, kv_heads=1, layers=1)),
+    "nn_mha_key_padding": _seeded(lambda: (PaddedSelfAttention(), (_features(), _padding()), {})),
+    "nn_transformer_cross_attention": _encoder_decoder,
+}
+
+
+def outputs_of(result, seed: int = 4) -> dict[str, torch.Tensor]:
+    """Named tensors of a model's result; the first is a scalar loss (a fixed projection for models
+    that return features, so every output element gets a distinct gradient)."""
+    if hasattr(result, "logits"):
+        return {"loss": result.loss, "logits": result.logits}
+    if isinstance(result, tuple):  # nanoGPT: (logits, loss)
+        return {"loss": result[1], "logits": result[0]}
+    weights = torch.randn(result.shape, generator=torch.Generator().manual_seed(seed))
+    return {"loss": (result * weights).sum(), "output": result}
+
+
+__all__ = ["FORMS", "VOCAB", "outputs_of"]
