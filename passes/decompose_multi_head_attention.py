@@ -34,8 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.compat import FakeTensor
-
-from .detect_attention import module_path
+from ulysses_compile.report import module_path
 
 MHA_PARAMS = list(inspect.signature(F.multi_head_attention_forward).parameters)
 

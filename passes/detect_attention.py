@@ -17,14 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
 import operator
-import re
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
+from ulysses_compile.report import module_path
+from ulysses_compile.sharding import block_sizes
+
+from .recognize_flash_attention import flash_attention
+
+log = logging.getLogger("ulysses_compile")
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -66,26 +72,51 @@ class AttentionSite:
         return self.side_inputs + ((self.mask,) if isinstance(self.mask, fx.Node) else ())
 
 
+    decision: str = ""  # what the rewrite does at this world size (set by detect_attention)
+
+    def kv_by_all_to_all(self, world_size: int) -> bool:
+        """Whether KV heads split over the ranks exactly like the query heads that use them (else each
+        rank gathers the KV heads its query heads need)."""
+        return self.kv_heads == self.heads or (self.heads % world_size == 0 and self.kv_heads % world_size == 0)
+
+    def layout(self) -> str:
+        ndim = _value(self.query).dim()
+        names = ["B"] * ndim
+        names[self.head_axis], names[self.seq_axis], names[-1] = "H", "S", "D"
+        if ndim == 3 and self.head_axis == 0:
+            names[0] = "B*H"  # bmm on heads merged into the batch
+        return "[" + ", ".join(names) + "]"
+
+    def mask_kind(self) -> str:
+        kinds = ["causal"] if self.is_causal else []
+        if self.form == "flash_attn" and self.node.kwargs["window_size"] != (-1, -1):
+            kinds.append(f"window {self.node.kwargs['window_size']}")
+        for mask in (*self.side_inputs, self.mask):
+            value = _value(mask) if isinstance(mask, fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                kind = "alibi" if self.form == "flash_attn" else "bool" if value.dtype == torch.bool else "additive"
+                kinds.append(f"{kind} {list(value.shape)}")
+        return ", ".join(kinds) or "none"
+
     def summary(self) -> str:
-        mask = "causal" if self.is_causal else ("mask" if self.mask is not None else "none")
+        kv = f" (kv {self.kv_heads}{f', repeated x{self.kv_repeat} in the model' if self.kv_repeat > 1 else ''})"
+        seq = f"{self.seq_len}" + (f" -> {self.kv_seq_len}" if self.kv_seq_len != self.seq_len else "")
         return (
-            f"{self.module or self.node.name}: {self.form}, heads={self.heads}, kv_heads={self.kv_heads}, "
-            f"head_dim={self.head_dim}, seq={self.seq_len}, kv_seq={self.kv_seq_len}, mask={mask}"
+            f"{self.module or self.node.name}: {self.form} {self.layout()}, heads {self.heads}{kv}, "
+            f"head_dim {self.head_dim}, seq {seq}, mask {self.mask_kind()}; {self.decision}"
         )
+
+
+def _decide(site: AttentionSite, world_size: int) -> str:
+    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
+    return f"parallelized: heads per rank {heads}, key/value {kv}"
 
 
 def sdpa_arguments(node: fx.Node) -> dict:
     bound = dict(zip(SDPA_PARAMS, node.args))
     bound.update(node.kwargs)
     return bound
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path, _cls = list(stack.values())[-1]
-    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'].model.layers.0 -> model.layers.0
 
 
 def _value(node) -> torch.Tensor:
@@ -96,16 +127,21 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = _sdpa_site(node)
+        elif node.op == "call_function" and node.target is flash_attention:
+            site = _flash_site(node)
         elif _is(node, SOFTMAX):
             site = _handwritten_site(node)
             if not isinstance(site, AttentionSite):
                 if site is not None:
                     ctx.report.rejected_attention.append(f"{module_path(node) or node.name}: {site}")
+                    log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
                 continue
             site.output_marker = _mark_output(gm.graph, site)
         else:
             continue
         _check_divisibility(site, ctx.world_size)
+        site.decision = _decide(site, ctx.world_size)
+        log.debug("ulysses_compile: attention %s", site.summary())
         ctx.sites.append(site)
         ctx.seq_lengths |= {site.seq_len, site.kv_seq_len}
     ctx.report.attention_sites = list(ctx.sites)
@@ -239,7 +275,8 @@ def _matmul_operands(node, role: str) -> "_Operands | str":
         return "q, k and v are not [.., heads, seq, head_dim] tensors of one rank"
     axes = {"first": (ndim - 3, ndim - 2), "second": (ndim - 3, ndim - 2),
             "out": (ndim - 3, ndim - 1 if role == "scores" else ndim - 2)}
-    return _Operands(first, second, slots, axes, "bmm" if ndim == 3 else "matmul")
+    form = "baddbmm" if first_at else "bmm" if node.target in (torch.bmm, "bmm") else "matmul"
+    return _Operands(first, second, slots, axes, form)
 
 
 def _operands(node, role: str) -> "_Operands | str":
@@ -271,11 +308,13 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     if not (q.dim() == k.dim() == v.dim() and q.shape[head_axis] == k.shape[head_axis] == v.shape[head_axis]):
         return "q, k and v have different numbers of heads"
     probs = values.first
+    if scores.form == "baddbmm":
+        side_inputs.append(scores_node.args[0])
     region = {scores.slots["second"][0]: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
               values_node: (head_axis, {probs: values.axes["first"][0]})}
     consumers = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
-    form = scores.form if scores.form == values.form else f"{scores.form}+{values.form}"
-    return _site(values_node, f"{form}_softmax", module_path(softmax), query, key, value, mask=None,
+    form = f"{scores.form}_softmax" + ("" if values.form == scores.form else f"_{values.form}")
+    return _site(values_node, form, module_path(softmax), query, key, value, mask=None,
                  is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs), consumers=consumers,
                  region=region, head_axis=head_axis, seq_axis=seq_axis)
 
@@ -304,6 +343,16 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
     return _site(node, "scaled_dot_product_attention", module_path(node), args["query"], args["key"],
                  args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)),
                  enable_gqa=bool(args.get("enable_gqa", False)), consumers=consumers)
+
+
+def _flash_site(node: fx.Node) -> AttentionSite:
+    """flash-attn on ``[B, S, H, D]``; KV may have fewer heads (flash-attn's own MQA/GQA)."""
+    consumers = {"query": (node, 0), "key": (node, 1), "value": (node, 2)}
+    if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
+        consumers["alibi_slopes"] = (node, "alibi_slopes")
+    query, key, value = node.args[:3]
+    return _site(node, "flash_attn", module_path(node), query, key, value, mask=node.kwargs.get("alibi_slopes"),
+                 is_causal=node.kwargs["causal"], enable_gqa=True, consumers=consumers, head_axis=2, seq_axis=1)
 
 
 def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, **details) -> AttentionSite:

@@ -83,11 +83,6 @@ def repeat_heads(x, head_axis: int, repeat: int):
     return expanded.reshape(shape)
 
 
-def kv_by_all_to_all(site, world_size: int) -> bool:
-    """Whether KV heads split over the ranks exactly like the query heads that use them."""
-    return site.kv_heads == site.heads or (site.heads % world_size == 0 and site.kv_heads % world_size == 0)
-
-
 def _sharded_on(node: fx.Node | None, dim: int) -> bool:
     sharding = sharding_of(node) if node is not None else None
     return sharding is not None and sharding.output == Shard(dim)
@@ -99,7 +94,7 @@ def _kv_for_rank_heads(graph, before, kv, source, site, ctx, replaced) -> fx.Nod
     sent = source if repeated else kv
     if repeated:
         replaced.append((kv, source))
-    if not kv_by_all_to_all(site, ctx.world_size):
+    if not site.kv_by_all_to_all(ctx.world_size):
         first, count = block_range(site.heads, ctx.world_size, ctx.rank)
         group = site.heads // site.kv_heads
         kv_index = tuple(head // group for head in range(first, first + count))
@@ -132,15 +127,23 @@ def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
     return node
 
 
+# Per-head inputs besides q, k, v, and where their heads dim is counted from the end: SDPA masks
+# broadcast against [..., heads, query, key]; flash-attn's ALiBi slopes are [heads] or [batch, heads].
+PER_HEAD_INPUTS = {"attn_mask": 3, "alibi_slopes": 1}
+
+
 def _narrow_mask_heads(graph, site, ctx) -> None:
-    if "attn_mask" not in site.consumers:
-        return
-    consumer, slot = site.consumers["attn_mask"]
+    for role, from_end in PER_HEAD_INPUTS.items():
+        if role in site.consumers:
+            _narrow_heads(graph, site, ctx, *site.consumers[role], from_end)
+
+
+def _narrow_heads(graph, site, ctx, consumer, slot, from_end: int) -> None:
     mask = _get_arg(consumer, slot)
     if not isinstance(mask, fx.Node):
         return
     value = sharding_of(mask).global_value
-    head_dim = value.dim() - 3  # masks broadcast against [..., heads, query, key]
+    head_dim = value.dim() - from_end
     if head_dim < 0 or value.shape[head_dim] == 1:
         return
     first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)

@@ -62,6 +62,47 @@ class BaddbmmAttention(nn.Module):
         return self.out(out.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, d))
 
 
+class FlashAttention(nn.Module):
+    """flash-attn's flash_attn_func on [B, S, H, D], optionally with fewer KV heads, ALiBi slopes per head
+    and a sliding window."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, kv_heads: int = HEADS, alibi: bool = False,
+                 window: int = -1):
+        super().__init__()
+        from flash_attn_stand_in import flash_attn_func
+
+        self.attention = flash_attn_func
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, dim // heads, window
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)])
+        self.register_buffer("alibi", slopes if alibi else None)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+        out = self.attention(q, k, v, causal=True, alibi_slopes=self.alibi, window_size=(self.window, -1))
+        return self.out(out.reshape(b, s, d))
+
+
+class AttentionWeightsReturned(nn.Module):
+    """Hand-written attention whose probabilities are also returned (HF's output_attentions): the
+    intermediate is used outside the attention."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(b, s, d), probs
+
+
 class NotAttention(nn.Module):
     """Softmax over a non-key dim between two products: a mixing layer, not attention."""
 
@@ -138,6 +179,10 @@ FORMS = {
     "llama_mqa": lambda: _hf(tiny_llama(heads=4, kv_heads=1, layers=1)),
     "nn_mha_key_padding": _seeded(lambda: (PaddedSelfAttention(), (_features(), _padding()), {})),
     "nn_transformer_cross_attention": _encoder_decoder,
+    "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
+    "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),
+    "flash_attn": _seeded(lambda: (FlashAttention(), (_features(),), {})),
+    "flash_attn_gqa_alibi_window": _seeded(lambda: (FlashAttention(kv_heads=2, alibi=True, window=8), (_features(),), {})),
 }
 
 
@@ -146,10 +191,12 @@ def outputs_of(result, seed: int = 4) -> dict[str, torch.Tensor]:
     that return features, so every output element gets a distinct gradient)."""
     if hasattr(result, "logits"):
         return {"loss": result.loss, "logits": result.logits}
-    if isinstance(result, tuple):  # nanoGPT: (logits, loss)
+    if isinstance(result, tuple) and result[-1].dim() == 0:  # nanoGPT: (logits, loss)
         return {"loss": result[1], "logits": result[0]}
-    weights = torch.randn(result.shape, generator=torch.Generator().manual_seed(seed))
-    return {"loss": (result * weights).sum(), "output": result}
+    tensors = result if isinstance(result, tuple) else (result,)
+    generator = torch.Generator().manual_seed(seed)
+    loss = sum((t * torch.randn(t.shape, generator=generator)).sum() for t in tensors)
+    return {"loss": loss, **{f"output {i}": t for i, t in enumerate(tensors)}}
 
 
 __all__ = ["FORMS", "VOCAB", "outputs_of"]

@@ -113,8 +113,8 @@ def test_model_zoo_equal_to_eager_at_two_ranks():
     run_ranks(zoo_equal_to_eager, 2, sorted(model_zoo()))
 
 
-def test_shared_kv_heads_at_four_ranks():
-    run_ranks(zoo_equal_to_eager, 4, ["falcon_mqa", "qwen2"])
+def test_shared_kv_heads_and_padding_masks_at_four_ranks():
+    run_ranks(zoo_equal_to_eager, 4, ["bert_padding", "falcon_mqa", "llama_eager_attention", "qwen2"])
 
 
 def probes_equal_to_eager(rank, world_size):

@@ -19,6 +19,7 @@ from .passes.detect_attention import detect_attention
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
 from .passes.propagate_sharding import propagate_sharding
+from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .report import Collective
 
@@ -26,6 +27,7 @@ log = logging.getLogger("ulysses_compile")
 
 PASSES = (
     decompose_multi_head_attention,
+    recognize_flash_attention,
     detect_attention,
     propagate_sharding,
     redistribute,

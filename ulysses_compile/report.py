@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'].model.layers.0 -> model.layers.0
 
 
 @dataclass

@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Shard
 from ulysses_compile.sharding import REPLICATE
 
 from ..detect_attention import SDPA_TARGETS, attention_output, sdpa_arguments
+from ..recognize_flash_attention import flash_attention
 
 from . import Decision, register
 
@@ -26,6 +27,16 @@ def sdpa_rule(node, view):
     if isinstance(mask, fx.Node):
         demands[mask] = REPLICATE
     return Decision(Shard(seq_axis), demands)
+
+
+@register(flash_attention)
+def flash_attention_rule(node, view):
+    """flash-attn on [B, S, H, D]: q, k, v sharded on dim 1; ALiBi slopes whole."""
+    q, k, v = node.args[:3]
+    demands = {q: Shard(1), k: Shard(1), v: Shard(1)}
+    if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
+        demands[node.kwargs["alibi_slopes"]] = REPLICATE
+    return Decision(Shard(1), demands)
 
 
 @register(attention_output)

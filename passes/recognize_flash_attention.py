@@ -1,0 +1,139 @@
+"""Turn flash-attn calls, which Dynamo captures as an autograd.Function, into one plain call.
+
+Before (``flash_attn_func(q, k, v, causal=True)`` on ``[B, S, H, D]``)::
+
+    out = torch.ops.higher_order.autograd_function_apply(fwd_body_0, bwd_body_0, q, k, v, ...)
+    attn = out[0]
+    # fwd_body_0 calls torch.ops.flash_attn._flash_attn_forward(q, k, v, 0.0, 0.35, causal=True, ...)
+
+After::
+
+    attn = flash_attention(q, k, v, dropout_p=0.0, softmax_scale=0.35, causal=True, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False)
+
+``flash_attention`` calls the same kernels (the torch ops flash-attn registers) with the settings read
+off the captured forward and backward; detect_attention then finds it as a site. flash-attn
+entry points whose forward is not one ``_flash_attn_forward`` on q, k, v (packed qkv, varlen) stay as
+they are, run replicated, and are reported.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.report import module_path
+
+
+FLASH_FORWARD = "flash_attn::_flash_attn_forward"
+FLASH_BACKWARD = "flash_attn::_flash_attn_backward"
+FORWARD_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
+                  "softcap", "alibi_slopes", "return_softmax")
+
+
+class _FlashAttention(torch.autograd.Function):
+    """flash-attn's forward and backward kernels, called through the torch ops flash-attn registers."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+        out, softmax_lse, _, rng_state = torch.ops.flash_attn._flash_attn_forward(
+            q, k, v, dropout_p, softmax_scale, causal=causal, window_size_left=window_size[0],
+            window_size_right=window_size[1], softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=False)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
+        ctx.settings = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, softmax_lse, rng_state = ctx.saved_tensors
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic = ctx.settings
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        torch.ops.flash_attn._flash_attn_backward(
+            grad.contiguous(), q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+            window_size[0], window_size[1], softcap, alibi_slopes, deterministic, rng_state=rng_state)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple,
+                    softcap: float, alibi_slopes, deterministic: bool):
+    """What ``flash_attn_func`` runs, on ``[B, S, H, D]`` (Hkv may be fewer: MQA/GQA)."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return _FlashAttention.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                 deterministic)
+
+
+def _op_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    return target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+
+
+def _calls(body: fx.GraphModule, name: str) -> list[fx.Node]:
+    return [node for node in body.graph.nodes if _op_name(node) == name]
+
+
+def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.autograd_function_apply:
+            continue
+        forward_body, backward_body = (getattr(gm, arg.target) for arg in node.args[:2])
+        forwards = _calls(forward_body, FLASH_FORWARD)
+        if not forwards:
+            continue
+        reason = _rewrite(gm, node, forward_body, backward_body, forwards)
+        if reason:
+            ctx.report.rejected_attention.append(f"{module_path(node) or node.name} (flash-attn): {reason}")
+
+
+def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:
+    if len(forwards) != 1:
+        return "more than one flash-attn kernel in one autograd.Function"
+    (forward,) = forwards
+    settings = dict(zip(FORWARD_PARAMS, forward.args))
+    settings.update(forward.kwargs)
+    placeholders = [n for n in forward_body.graph.nodes if n.op == "placeholder"]
+    operands = node.args[2:]
+
+    def outer(value):
+        """The graph value a body placeholder stands for."""
+        if isinstance(value, fx.Node):
+            return operands[placeholders.index(value)] if value in placeholders else None
+        return value
+
+    tensors = {name: outer(settings[name]) for name in ("q", "k", "v")}
+    if any(value is None for value in tensors.values()):
+        return ("q, k and v reach the kernel through other ops inside the call (packed qkv or kv, or a head_dim "
+                "that flash-attn pads to a multiple of 8); call flash_attn_func on q, k, v")
+    alibi = settings.get("alibi_slopes")
+    if isinstance(alibi, fx.Node) and outer(alibi) is None:
+        return "alibi_slopes are computed inside the call"
+    if settings.get("return_softmax"):
+        return "return_attn_probs=True returns per-head probabilities; leave it False"
+    outputs = [user for user in node.users if user.target is operator.getitem]
+    if any(user.args[1] != 0 for user in outputs) or len(outputs) != len(node.users):
+        return "outputs other than the attention result are used"
+    backwards = _calls(backward_body, FLASH_BACKWARD)
+    deterministic = bool(backwards[0].args[16]) if backwards and len(backwards[0].args) > 16 else False
+    call_kwargs = dict(
+        dropout_p=float(settings["dropout_p"]), softmax_scale=float(settings["softmax_scale"]),
+        causal=bool(settings.get("causal", False)),
+        window_size=(int(settings.get("window_size_left", -1)), int(settings.get("window_size_right", -1))),
+        softcap=float(settings.get("softcap", 0.0)), alibi_slopes=outer(alibi), deterministic=deterministic,
+    )
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_function(flash_attention, (tensors["q"], tensors["k"], tensors["v"]), call_kwargs)
+    call.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+    call.meta["example_value"] = outputs[0].meta["example_value"] if outputs else None
+    for user in outputs:
+        user.replace_all_uses_with(call)
+        gm.graph.erase_node(user)
+    bodies = node.args[:2]
+    gm.graph.erase_node(node)
+    for body in bodies:
+        if not body.users:
+            gm.graph.erase_node(body)
+    gm.delete_all_unused_submodules()
+    return None

@@ -1,0 +1,135 @@
+"""Every attention form real code uses: found (or rejected with a reason) in one process, and equal to
+eager on real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attention_forms import FORMS, outputs_of
+from multirank import compare_model, run_ranks
+from test_structure import calls, rewritten_graphs
+from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads
+
+SDPA = "scaled_dot_product_attention"
+# name -> (site forms, KV heads gathered instead of sent by all-to-all at P = 4)
+EXPECTED = {
+    "nanogpt_manual": (["matmul_softmax"] * 2, False),
+    "einsum_bshd": (["einsum_softmax"], False),
+    "baddbmm_merged_heads": (["baddbmm_softmax_bmm"], False),
+    "llama_eager_gqa_gathered": (["matmul_softmax"], True),
+    "llama_6_heads": ([SDPA], False),
+    "llama_6_heads_gqa_3": ([SDPA], True),
+    "llama_mqa": ([SDPA], True),
+    "nn_mha_key_padding": ([SDPA], False),
+    "nn_transformer_cross_attention": ([SDPA] * 3, False),
+    "attention_weights_returned": (["matmul_softmax"], False),
+    "not_attention_softmax_over_queries": (["einsum_softmax"], False),
+    "flash_attn": (["flash_attn"], False),
+    "flash_attn_gqa_alibi_window": (["flash_attn"], True),
+}
+
+
+def test_every_form_has_an_expectation():
+    assert sorted(EXPECTED) == sorted(FORMS)
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_form_is_found_at_four_ranks(fake_group, name):
+    fake_group(4)
+    model, args, kwargs = FORMS[name]()
+    graphs = rewritten_graphs(model, args, kwargs)
+    sites = [site for gm in graphs for site in gm.meta["ulysses_report"].attention_sites]
+    forms, kv_gathered = EXPECTED[name]
+    assert [site.form for site in sites] == forms
+    gm = graphs[0]
+    assert len(calls(gm, seq_to_heads)) == len(sites) * (1 if kv_gathered else 3)
+    assert len(calls(gm, gather_kv_heads)) == (2 * len(sites) if kv_gathered else 0)
+    assert len(calls(gm, heads_to_seq)) == len(sites)
+    fallbacks = gm.meta["ulysses_report"].fallbacks
+    assert fallbacks == [] or name == "not_attention_softmax_over_queries", fallbacks
+
+
+def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
+    fake_group(2)
+    model, args, kwargs = FORMS["not_attention_softmax_over_queries"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    (rejected,) = gm.meta["ulysses_report"].rejected_attention
+    assert rejected.startswith("mixing") and "softmax runs over dim -2, not over the key positions" in rejected
+
+
+def test_reused_attention_weights_are_gathered_whole(fake_group):
+    fake_group(4, rank=3)
+    model, args, kwargs = FORMS["attention_weights_returned"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    weights = [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
+    assert [tuple(n.args[0].meta["val"].shape) for n in weights] == [(2, 1, 32, 32)]  # this rank's head
+    assert [tuple(n.meta["val"].shape) for n in weights] == [(2, 4, 32, 32)]
+
+
+def test_cross_attention_sends_each_sequence_by_its_own_all_to_all(fake_group):
+    fake_group(4)
+    model, args, kwargs = FORMS["nn_transformer_cross_attention"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    cross = gm.meta["ulysses_report"].attention_sites[-1]
+    assert cross.module == "decoder.layers.0.multihead_attn" and (cross.seq_len, cross.kv_seq_len) == (16, 32)
+    received = [(n.kwargs["seq_len"], tuple(n.meta["val"].shape)) for n in calls(gm, seq_to_heads)]
+    assert received[-3:] == [(16, (2, 1, 16, 8)), (32, (2, 1, 32, 8)), (32, (2, 1, 32, 8))]  # q, k, v
+
+
+def test_multi_head_attention_weights_in_use_run_replicated_with_the_reason(fake_group):
+    fake_group(2)
+
+    class WeightsUsed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+        def forward(self, x):
+            out, weights = self.mha(x, x, x)
+            return out * weights.mean()
+
+    torch.manual_seed(0)
+    graphs = rewritten_graphs(WeightsUsed(), (torch.randn(2, 16, 32),))
+    report = graphs[0].meta["ulysses_report"]
+    assert report.attention_sites == []
+    (rejected,) = report.rejected_attention
+    assert "the attention weights are used (need_weights=True); pass need_weights=False" in rejected
+
+
+def test_site_summary_names_layout_mask_and_decision(fake_group):
+    fake_group(4)
+    model, args, kwargs = FORMS["flash_attn_gqa_alibi_window"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    (site,) = gm.meta["ulysses_report"].attention_sites
+    assert site.summary().endswith(
+        "flash_attn [B, S, H, D], heads 4 (kv 2), head_dim 8, seq 32, mask causal, window (8, -1), alibi [4]; "
+        "parallelized: heads per rank 1,1,1,1, key/value gathered per query head"
+    )
+
+
+def forms_equal_to_eager(rank, world_size, names, compiler):
+    for name in names:
+        model, args, kwargs = FORMS[name]()
+        reference = copy.deepcopy(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ulysses", options={"compiler": compiler})
+        got = outputs_of(compiled(*args, **kwargs))
+        got["loss"].backward()
+        want = outputs_of(reference(*args, **kwargs))
+        want["loss"].backward()
+        compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
+
+
+@pytest.mark.multirank
+def test_every_form_equal_to_eager_at_four_ranks():
+    run_ranks(forms_equal_to_eager, 4, sorted(FORMS), "aot_eager")
+
+
+@pytest.mark.multirank
+def test_forms_through_inductor_at_two_ranks():
+    names = ["nanogpt_manual", "einsum_bshd", "flash_attn_gqa_alibi_window", "llama_eager_gqa_gathered",
+             "nn_transformer_cross_attention"]
+    run_ranks(forms_equal_to_eager, 2, names, "inductor")
