@@ -29,6 +29,7 @@ from ulysses_compile.report import module_path
 
 FLASH_FORWARD = "flash_attn::_flash_attn_forward"
 FLASH_BACKWARD = "flash_attn::_flash_attn_backward"
+FLASH_VARLEN_FORWARD = "flash_attn::_flash_attn_varlen_forward"
 FORWARD_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
                   "softcap", "alibi_slopes", "return_softmax")
 
@@ -81,9 +82,13 @@ def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
             continue
         forward_body, backward_body = (getattr(gm, arg.target) for arg in node.args[:2])
         forwards = _calls(forward_body, FLASH_FORWARD)
-        if not forwards:
+        if _calls(forward_body, FLASH_VARLEN_FORWARD):
+            reason = ("flash_attn_varlen_func packs sequences of different lengths into one dim, which is not split "
+                      "across ranks; it runs whole on every rank. Use flash_attn_func on padded [B, S, H, D]")
+        elif forwards:
+            reason = _rewrite(gm, node, forward_body, backward_body, forwards)
+        else:
             continue
-        reason = _rewrite(gm, node, forward_body, backward_body, forwards)
         if reason:
             ctx.report.rejected_attention.append(f"{module_path(node) or node.name} (flash-attn): {reason}")
 

@@ -87,6 +87,34 @@ class FlashAttention(nn.Module):
         return self.out(out.reshape(b, s, d))
 
 
+class MaskedSDPA(nn.Module):
+    """F.scaled_dot_product_attention with GQA left to SDPA (``enable_gqa``) and a boolean [B, 1, S, S]
+    mask (causal and key padding), or with a per-head additive bias [1, H, S, S] (ALiBi-like)."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, kv_heads: int = 2, per_head_bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.per_head_bias = per_head_bias
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, padding):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        causal = positions[None, :] <= positions[:, None]
+        if self.per_head_bias:
+            slopes = torch.arange(1, self.heads + 1, device=x.device).float().view(1, -1, 1, 1) / self.heads
+            distance = (positions[None, :] - positions[:, None]).float()
+            mask = (slopes * distance).masked_fill(~causal, float("-inf"))
+        else:
+            mask = causal & ~padding[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.out(out.transpose(1, 2).reshape(b, s, d))
+
+
 class AttentionWeightsReturned(nn.Module):
     """Hand-written attention whose probabilities are also returned (HF's output_attentions): the
     intermediate is used outside the attention."""
@@ -179,6 +207,9 @@ FORMS = {
     "llama_mqa": lambda: _hf(tiny_llama(heads=4, kv_heads=1, layers=1)),
     "nn_mha_key_padding": _seeded(lambda: (PaddedSelfAttention(), (_features(), _padding()), {})),
     "nn_transformer_cross_attention": _encoder_decoder,
+    "sdpa_gqa_bool_mask": _seeded(lambda: (MaskedSDPA(), (_features(), _padding()), {})),
+    "sdpa_per_head_bias_6_heads": _seeded(lambda: (MaskedSDPA(dim=48, heads=6, kv_heads=6, per_head_bias=True),
+                                                   (torch.randn(2, SEQ, 48), _padding()), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
     "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),
     "flash_attn": _seeded(lambda: (FlashAttention(), (_features(),), {})),

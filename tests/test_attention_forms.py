@@ -25,6 +25,8 @@ EXPECTED = {
     "llama_mqa": ([SDPA], True),
     "nn_mha_key_padding": ([SDPA], False),
     "nn_transformer_cross_attention": ([SDPA] * 3, False),
+    "sdpa_gqa_bool_mask": ([SDPA], True),
+    "sdpa_per_head_bias_6_heads": ([SDPA], False),
     "attention_weights_returned": (["matmul_softmax"], False),
     "not_attention_softmax_over_queries": (["einsum_softmax"], False),
     "flash_attn": (["flash_attn"], False),
