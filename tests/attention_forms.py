@@ -22,14 +22,16 @@ def _features(seq: int = SEQ, seed: int = 3) -> torch.Tensor:
     return torch.randn(2, seq, DIM, generator=torch.Generator().manual_seed(seed))
 
 
-class EinsumAttention(nn.Module):
-    """[B, S, H, D] throughout, products as einsum, an additive causal mask, softmax in float32."""
-
+class _FusedQKV(nn.Module):
     def __init__(self, dim: int = DIM, heads: int = HEADS):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
+
+
+class EinsumAttention(_FusedQKV):
+    """[B, S, H, D] throughout, products as einsum, an additive causal mask, softmax in float32."""
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -41,15 +43,9 @@ class EinsumAttention(nn.Module):
         return self.out(out.reshape(b, s, -1))
 
 
-class BaddbmmAttention(nn.Module):
+class BaddbmmAttention(_FusedQKV):
     """Heads merged into the batch, ``[B*H, S, D]``, as older transformers models write it: baddbmm
     adds a causal bias and scales q @ k^T in one call, bmm applies the probabilities."""
-
-    def __init__(self, dim: int = DIM, heads: int = HEADS):
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
 
     def forward(self, x):
         b, s, d = x.shape

@@ -44,8 +44,8 @@ PARTIAL = Partial()
 def block_sizes(length: int, world_size: int) -> list[int]:
     """The sizes of the P blocks of a sharded dim: balanced, the first ``length % P`` one larger
     (6 heads on 4 ranks: 2, 2, 1, 1). Unlike ``torch.chunk`` (2, 2, 2, 0), no rank idles."""
-    base, extra = divmod(length, world_size)
-    return [base + (rank < extra) for rank in range(world_size)]
+    # Closed form, no comparison: it also holds for a symbolic length without adding a guard.
+    return [(length + world_size - 1 - rank) // world_size for rank in range(world_size)]
 
 
 def block_range(length: int, world_size: int, rank: int) -> tuple[int, int]:
