@@ -9,8 +9,8 @@ Before (a Dynamo graph)::
 After: the hand-written result passes through ``attention_output(out)`` (an identity that marks where
 the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one
 :class:`AttentionSite` per call, with its module path, heads, KV heads, head dim, sequence lengths and
-mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site that cannot be
-split raises here, before any rewrite: heads or sequence lengths not divisible by the number of ranks.
+mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site with fewer heads
+than ranks raises here, before any rewrite.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
             site.output_marker = _mark_output(gm.graph, site)
         else:
             continue
-        _check_divisibility(site, ctx.world_size)
+        _check_heads(site, ctx.world_size)
         site.decision = _decide(site, ctx.world_size)
         log.debug("ulysses_compile: attention %s", site.summary())
         ctx.sites.append(site)
@@ -321,18 +321,11 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
     args = sdpa_arguments(node)
-    q, k = _value(args["query"]), _value(args["key"])
+    q = _value(args["query"])
     if q.dim() < 3:
         raise DivisibilityError(
             f"attention {module_path(node) or node.name}: query has shape {tuple(q.shape)}; expected "
             f"[..., heads, sequence, head_dim] so heads can be split across ranks"
-        )
-    if not all(isinstance(size, int) for size in (*q.shape, *k.shape)):
-        raise UnsupportedError(
-            f"attention {module_path(node) or node.name}: query shape {tuple(q.shape)} and key shape "
-            f"{tuple(k.shape)} are symbolic (torch.compile made them dynamic after a call with other input "
-            f"shapes); this version needs static sizes: use torch.compile(..., dynamic=False), which "
-            f"compiles once per input shape"
         )
     consumers = {}
     for name in ("query", "key", "value", "attn_mask"):
@@ -359,6 +352,12 @@ def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, 
     """A site with its sizes read off q and k (by default ``[.., heads, seq, head_dim]``), and any KV
     repeat."""
     q, k = _value(query), _value(key)
+    if not all(isinstance(size, int) for size in (*q.shape, *k.shape)):
+        raise UnsupportedError(
+            f"attention {module or node.name}: query shape {tuple(q.shape)} and key shape {tuple(k.shape)} are "
+            f"symbolic (torch.compile made them dynamic after a call with other input shapes); this version "
+            f"needs static sizes: use torch.compile(..., dynamic=False), which compiles once per input shape"
+        )
     head_axis = q.dim() - 3 if head_axis is None else head_axis
     seq_axis = q.dim() - 2 if seq_axis is None else seq_axis
     site = AttentionSite(
@@ -441,10 +440,9 @@ def _inserts_dim(node: fx.Node, dim: int, ndim: int) -> bool:
     return False
 
 
-def _check_divisibility(site: AttentionSite, world_size: int) -> None:
-    """Heads split over the ranks in balanced blocks, so any count works as long as every rank gets
-    one; key/value heads that do not split like the query heads are gathered. Sequence lengths must
-    divide for now."""
+def _check_heads(site: AttentionSite, world_size: int) -> None:
+    """Heads and sequences split over the ranks in balanced blocks, so any count works as long as every
+    rank gets a head; key/value heads that do not split like the query heads are gathered."""
     where = f"attention {site.module or site.node.name} ({site.form})"
     if site.heads < world_size:
         raise DivisibilityError(
@@ -453,10 +451,3 @@ def _check_divisibility(site: AttentionSite, world_size: int) -> None:
             f"parallelism (with a mesh, put the other ranks on a \"dp\" dim), or a model with at least "
             f"{world_size} heads"
         )
-    for what, length in (("query sequence length", site.seq_len), ("key sequence length", site.kv_seq_len)):
-        if length % world_size:
-            raise DivisibilityError(
-                f"{where}: {what} = {length} is not divisible by the {world_size} sequence-parallel ranks; "
-                f"pad the batch to a multiple of {world_size} tokens (for example with the tokenizer's "
-                f"pad_to_multiple_of={world_size} and labels -100 on the padding)"
-            )

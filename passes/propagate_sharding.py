@@ -14,8 +14,8 @@ After: the same graph, each node annotated with ``node.meta["ulysses_sharding"]`
 
 Graph inputs are global (every rank passes the same batch), so they start Replicate. Sharding starts
 where it pays: at a node on the way to an attention's q/k/v (and not to its mask, which must stay
-whole) whose inputs are all replicated, the first
-non-parameter input is offered sharded along its sequence dim; if the op's rule accepts that, the
+whole) whose inputs are all replicated, the first non-parameter input is offered sharded along its
+sequence dim (found by walking back from the attention, rules/sequence_dims.py); if the op's rule accepts that, the
 input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
 no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
 """
@@ -39,6 +39,7 @@ from ulysses_compile.sharding import (
 )
 
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
+from .rules.sequence_dims import sequence_dims
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
@@ -46,6 +47,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
     feeds_attention -= _ancestors(mask for site in ctx.sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in ctx.sites if site.scores is None}
     head_parallel = _head_parallel_nodes(ctx)
+    seq_dims = sequence_dims(ctx.sites, ctx.parameters)
     view = RuleView(_output_placement, ctx.world_size)
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
@@ -58,7 +60,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value) for arg in view.tensor_args(node)}
             node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, inputs)
         else:
-            node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes)
+            node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
+                                               seq_dims)
 
 
 def _head_parallel_nodes(ctx) -> dict[fx.Node, tuple[Shard, dict]]:
@@ -101,7 +104,8 @@ def _replicated_like(value):
     return None
 
 
-def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool) -> NodeSharding:
+def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool,
+            seq_dims: dict) -> NodeSharding:
     rule = rule_for(node)
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
@@ -110,7 +114,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
         # Rules see reduced values: a partial sum is all-reduced before any op that is not a sum.
         view = view.overridden(partial_inputs)
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
-        seeded = _seed(node, value, view, ctx, rule) if on_attention_path and rule else None
+        seeded = _seed(node, value, view, ctx, rule, seq_dims) if on_attention_path and rule else None
         return seeded or NodeSharding(_replicated_like(value), value)
     decision = rule(node, view) if rule else None
     if decision is None:
@@ -139,11 +143,11 @@ def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView
         )
 
 
-def _seed(node, value, view, ctx, rule) -> NodeSharding | None:
+def _seed(node, value, view, ctx, rule, seq_dims) -> NodeSharding | None:
     for arg in view.tensor_args(node):
         if arg in ctx.parameters:
             continue
-        dim = _sequence_dim(view.value(arg), ctx.seq_lengths)
+        dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), ctx.seq_lengths)
         if dim is None:
             continue
         seeded_view = view.overridden({arg: Shard(dim)})

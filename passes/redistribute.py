@@ -19,6 +19,8 @@ shared by all such uses, so its gradient is summed over ranks inside the backwar
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
@@ -31,9 +33,13 @@ from ulysses_compile.sharding import (
     Replicate,
     Shard,
     is_rank_local,
+    is_sharded,
     seq_factors,
     sharding_of,
 )
+
+
+log = logging.getLogger("ulysses_compile")
 
 
 class _Redistributor:
@@ -147,6 +153,13 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -
         have = sharding.output
         if ctx.options.outputs == "local" and not isinstance(have, Partial):
             return arg
+        if is_sharded(have):
+            shape = list(sharding.global_value.shape)
+            ctx.report.gathered_outputs.append(
+                f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered (the model's output, or a "
+                f"value crossing a graph break, which the next graph slices again)"
+            )
+            log.info("ulysses_compile: %s", ctx.report.gathered_outputs[-1])
         return redistributor.to(arg, have, REPLICATE)
 
     output.args = fx.node.map_arg(output.args, convert)

@@ -101,6 +101,24 @@ def _pool_first_and_cumsum(h):
     return running + first.unsqueeze(1)
 
 
+def _roll_shift(h):
+    return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
+
+
+def _causal_conv1d(h):
+    kernel = torch.linspace(-1, 1, 3 * DIM).view(DIM, 1, 3)  # depthwise, over the sequence, left-padded
+    return F.conv1d(F.pad(h.transpose(1, 2), (2, 0)), kernel, groups=DIM).transpose(1, 2)
+
+
+def _mean_and_max_pool(h):
+    return h + h.mean(dim=1, keepdim=True) * h.amax(dim=1, keepdim=True)
+
+
+def _gather_reversed_positions(h):
+    positions = torch.arange(h.shape[1] - 1, -1, -1).view(1, -1, 1).expand_as(h)
+    return torch.gather(h, 1, positions) + h
+
+
 PROBES = {
     "setitem": lambda: Probe(_setitem),
     "relu_": lambda: Probe(_relu_inplace),
@@ -112,4 +130,8 @@ PROBES = {
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),
+    "roll_shift": lambda: Probe(_roll_shift),
+    "causal_conv1d": lambda: Probe(_causal_conv1d),
+    "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),
+    "gather_reversed_positions": lambda: Probe(_gather_reversed_positions),
 }

@@ -117,13 +117,13 @@ def test_shared_kv_heads_and_padding_masks_at_four_ranks():
     run_ranks(zoo_equal_to_eager, 4, ["bert_padding", "falcon_mqa", "llama_eager_attention", "qwen2"])
 
 
-def probes_equal_to_eager(rank, world_size):
+def probes_equal_to_eager(rank, world_size, seq):
     for name, make in PROBES.items():
         torch.manual_seed(0)
         model = make()
         reference = copy.deepcopy(model)
-        ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
-        weights = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(0, 32, (2, seq), generator=torch.Generator().manual_seed(1))
+        weights = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(2))
         torch._dynamo.reset()
         got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(ids)
         (got * weights).sum().backward()
@@ -132,8 +132,9 @@ def probes_equal_to_eager(rank, world_size):
         compare_model(rank, model, reference, {f"{name} output": (got, want)})
 
 
-def test_op_probes_equal_to_eager():
-    run_ranks(probes_equal_to_eager, 2)
+@pytest.mark.parametrize("world_size,seq", [(2, 16), (2, 15)])
+def test_op_probes_equal_to_eager(world_size, seq):
+    run_ranks(probes_equal_to_eager, world_size, seq)
 
 
 class DropoutAfterAttention(torch.nn.Module):

@@ -18,6 +18,7 @@ from ulysses_compile.collectives import (
     gather_seq,
     heads_to_seq,
     reduce_partial,
+    scatter_seq,
     seq_to_heads,
     sync_grad,
 )
@@ -184,15 +185,26 @@ def test_more_ranks_than_heads_is_an_error_that_names_the_site(fake_group):
     assert "at most 2 ranks" in message and '"dp" dim' in message
 
 
-def test_sequence_divisibility_error(fake_group):
-    fake_group(4)
-    ids, labels = token_batch(seq=30)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
-        rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
-    assert isinstance(raised.value.inner_exception, DivisibilityError)
-    message = str(raised.value.inner_exception)
-    assert "query sequence length = 30 is not divisible by the 4 sequence-parallel ranks" in message
-    assert "pad_to_multiple_of=4" in message
+@pytest.mark.parametrize("seq,rank,local", [(30, 0, 8), (30, 3, 7), (6, 1, 2), (6, 3, 1)])
+def test_sequences_that_do_not_divide_split_in_balanced_blocks(fake_group, seq, rank, local):
+    fake_group(4, rank)
+    ids, labels = token_batch(batch=seq, seq=seq)  # batch and sequence of the same size: found by position
+    (gm,) = rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    (scatter,) = [n for n in gm.graph.nodes if n.target is scatter_seq and n.args[0].name == "l_kwargs_input_ids_"]
+    assert scatter.kwargs["dim"] == 1 and tuple(scatter.meta["val"].shape) == (seq, local)
+    for node in calls(gm, seq_to_heads):
+        assert node.args[0].meta["val"].shape[2] == local and node.meta["val"].shape[2] == seq
+    (logits,) = calls(gm, gather_seq)
+    assert tuple(logits.meta["val"].shape) == (seq, seq, 128)  # gathered outputs have the original length
+    assert gm.meta["ulysses_report"].fallbacks == []
+
+
+def test_sequence_shorter_than_the_ranks_runs_replicated(fake_group):
+    fake_group(4, 3)
+    ids, labels = token_batch(seq=2)
+    (gm,) = rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    assert calls(gm, seq_to_heads) == [] and calls(gm, gather_seq) == []
+    assert gm.meta["ulysses_report"].replicated == "a sequence of 2 positions is shorter than the 4 sequence-parallel ranks"
 
 
 @pytest.mark.parametrize("name", sorted(model_zoo()))

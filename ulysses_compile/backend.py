@@ -7,6 +7,7 @@ import logging
 
 import torch.fx as fx
 
+from .agreement import checked_first_call, fingerprint
 from .compat import aot_autograd, compile_fx
 from .context import PassContext
 from .options import Options
@@ -28,6 +29,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         )
         return inner_compile(gm, example_inputs, opts.compiler, mode)
     original = copy.deepcopy(gm) if opts.verify else None
+    expected = fingerprint(gm, example_inputs)
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
@@ -35,13 +37,19 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         options=opts,
         example_inputs=list(example_inputs),
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
+        data_parallel=_data_parallel(opts),
     )
     run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = ctx.report
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if original is not None:
-        return verified(compiled, original, ctx)
-    return compiled
+        compiled = verified(compiled, original, ctx)
+    return checked_first_call(compiled, expected, group, ctx.rank)
+
+
+def _data_parallel(opts: Options) -> tuple[str, int] | None:
+    group = opts.data_parallel_group()
+    return (group.group_name, group.size()) if group is not None and group.size() > 1 else None
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):

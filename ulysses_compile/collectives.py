@@ -17,6 +17,7 @@ gather_seq           S -> R: all-gather         R -> S: keep my block of the (re
 reduce_partial       P -> R: all-reduce(sum)    identity (each partial term gets the full gradient)
 sync_grad            identity                   all-reduce(sum): a replicated value used by sharded
                                                 ops only receives its rank's share of the gradient
+average_grad         identity                   all-reduce(sum) / D over the data-parallel replicas
 seq_to_heads         S(seq) -> S(heads)         the inverse all-to-all (autograd of all_to_all_single)
 heads_to_seq         S(heads) -> S(seq)         the inverse all-to-all
 ===================  =========================  ======================================================
@@ -36,7 +37,9 @@ from .sharding import block_range, block_sizes
 __all__ = [
     "COLLECTIVES",
     "add_previous_ranks_totals",
+    "average_grad",
     "gather_kv_heads",
+    "gather_objects",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -126,6 +129,17 @@ class _ReducePartial(torch.autograd.Function):
         return grad, None
 
 
+class _AverageGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name, group_size):
+        ctx.group_name, ctx.group_size = group_name, group_size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_sum(grad, ctx.group_name) / ctx.group_size, None, None
+
+
 class _SyncGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
@@ -135,6 +149,11 @@ class _SyncGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce_sum(grad, ctx.group_name), None
+
+
+def average_grad(x, group_name: str, group_size: int):
+    """Identity whose backward averages the gradient over the data-parallel replicas (DDP's rule)."""
+    return _AverageGrad.apply(x, group_name, group_size)
 
 
 def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int, group_name: str):
@@ -160,7 +179,7 @@ def sync_grad(x, group_name: str):
 def _all_to_all(chunks: list[torch.Tensor], received_shapes: list[list[int]], group_name: str) -> list[torch.Tensor]:
     """Send ``chunks[j]`` to rank j; return what each rank j sent here, shaped ``received_shapes[j]``.
     all_to_all_single has autograd registered by torch: its backward is the inverse all-to-all."""
-    flat = torch.cat([c.reshape(-1) for c in chunks])
+    flat = torch.cat([chunk.reshape(-1) for chunk in chunks])
     received_numels = [math.prod(shape) for shape in received_shapes]
     out = c10d_functional.all_to_all_single(flat, received_numels, [c.numel() for c in chunks], group_name)
     pieces = c10d_functional.wait_tensor(out).split(received_numels)
@@ -230,8 +249,15 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
     return local_cumsum + gathered[:rank].sum(0)
 
 
-COLLECTIVES = (gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
+COLLECTIVES = (average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
                add_previous_ranks_totals)
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order: a check outside the compiled graphs."""
+    gathered = [None] * group.size()
+    torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:

@@ -10,7 +10,7 @@ class OptionsError(UlyssesError, ValueError):
 
 
 class DivisibilityError(UlyssesError):
-    """Heads or the sequence length cannot be split evenly over the sequence-parallel ranks."""
+    """The heads of an attention cannot be split over the sequence-parallel ranks (fewer heads than ranks)."""
 
 
 class UnsupportedError(UlyssesError):
@@ -23,3 +23,7 @@ class VerificationError(UlyssesError):
 
 class InternalError(UlyssesError):
     """A self-check of the rewrite failed; this is a bug in ulysses_compile, please report it."""
+
+
+class RankMismatchError(UlyssesError):
+    """The ranks of a sequence-parallel group compiled different programs (other shapes or code)."""

@@ -16,7 +16,7 @@ OUTPUT_MODES = ("gather", "local")
 @dataclass(frozen=True)
 class Options:
     group: Any = None  # a ProcessGroup; None means the default group
-    mesh: Any = None  # a DeviceMesh with a dim named "sp"
+    mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp"
     outputs: str = "gather"  # "gather": sequence-sharded outputs are all-gathered; "local": kept sharded
     compiler: str = "inductor"
     verify: bool = False  # compare each graph's first call against eager execution
@@ -56,11 +56,22 @@ class Options:
                     f"option mesh has dims {names}; expected a dim named 'sp' for sequence "
                     f"parallelism, e.g. init_device_mesh('cpu', (P,), mesh_dim_names=('sp',))"
                 )
-            if set(names) - {"sp"}:
+            if set(names) - {"sp", "dp"} or len(names) != len(set(names)):
                 raise OptionsError(
-                    f"option mesh has dims {names}; only a 1-D mesh named ('sp',) is supported "
-                    f"in this version (data x sequence meshes are tracked in issue 4)"
+                    f"option mesh has dims {names}; expected ('sp',) or ('dp', 'sp'), e.g. "
+                    f"init_device_mesh('cpu', (D, P), mesh_dim_names=('dp', 'sp'))"
                 )
+            if "dp" in names and self.mesh.size(names.index("sp")) == 1:
+                raise OptionsError(
+                    f"option mesh has an 'sp' dim of size 1: there is no sequence to split; for data "
+                    f"parallelism alone use DistributedDataParallel, or give 'sp' more ranks"
+                )
+
+    def data_parallel_group(self):
+        """The group over which gradients are averaged (the mesh's "dp" dim), or None."""
+        if self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ()):
+            return self.mesh.get_group("dp")
+        return None
 
     def process_group(self):
         """The sequence-parallel group, or None when torch.distributed is not initialized."""

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from .collectives import COLLECTIVES
 from .context import PassContext
+from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
 from .passes.decompose_multi_head_attention import decompose_multi_head_attention
 from .passes.detect_attention import detect_attention
@@ -31,27 +32,51 @@ PASSES = (
     detect_attention,
     propagate_sharding,
     redistribute,
+    average_data_parallel_grads,
     insert_all_to_all,
     localize_ops,
     check_local_shapes,
 )
 
 
+# What a graph that is not split still needs (a data-parallel mesh averages its gradients).
+REPLICATED_PASSES = (average_data_parallel_grads,)
+
+
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for graph_pass in PASSES:
-        started = time.perf_counter()
-        graph_pass(gm, ctx)
-        ctx.report.pass_seconds[graph_pass.__name__] = time.perf_counter() - started
-        if graph_pass is detect_attention and not ctx.sites:
-            log.info("ulysses_compile: no attention in this graph; it runs replicated on every rank")
-            return gm
-        gm.recompile()
-        ctx.report.graphs[graph_pass.__name__] = gm.code
-        log.debug("ulysses_compile: graph after %s:\n%s", graph_pass.__name__, gm.code)
+        _run(graph_pass, gm, ctx)
+        if graph_pass is detect_attention and _runs_replicated(ctx):
+            log.info("ulysses_compile: %s; it runs replicated on every rank", ctx.report.replicated)
+            for replicated_pass in REPLICATED_PASSES:
+                _run(replicated_pass, gm, ctx)
+            break
     _record_collectives(gm, ctx)
     for fallback in ctx.report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)
     return gm
+
+
+def _run(graph_pass, gm: fx.GraphModule, ctx: PassContext) -> None:
+    started = time.perf_counter()
+    graph_pass(gm, ctx)
+    ctx.report.pass_seconds[graph_pass.__name__] = time.perf_counter() - started
+    gm.recompile()
+    ctx.report.graphs[graph_pass.__name__] = gm.code
+    log.debug("ulysses_compile: graph after %s:\n%s", graph_pass.__name__, gm.code)
+
+
+def _runs_replicated(ctx: PassContext) -> bool:
+    """A graph without attention, or whose sequences are shorter than the ranks (blocks would be empty,
+    and a compiler may drop the collectives of an empty block on some ranks only), is computed whole
+    on every rank: exact, and at such lengths nothing is gained by splitting."""
+    if not ctx.sites:
+        ctx.report.replicated = "no attention in this graph"
+    shortest = min((length for site in ctx.sites for length in (site.seq_len, site.kv_seq_len)), default=None)
+    if shortest is not None and shortest < ctx.world_size:
+        ctx.report.replicated = (f"a sequence of {shortest} positions is shorter than the {ctx.world_size} "
+                                 f"sequence-parallel ranks")
+    return bool(ctx.report.replicated)
 
 
 def _record_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -39,6 +39,8 @@ class Collective:
 class Report:
     attention_sites: list = field(default_factory=list)
     rejected_attention: list[str] = field(default_factory=list)  # "module: why it is not parallelized"
+    replicated: str = ""  # why the whole graph runs unsplit on every rank, if it does
+    gathered_outputs: list[str] = field(default_factory=list)  # sharded graph outputs that are gathered
     fallbacks: list[Fallback] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
@@ -46,12 +48,15 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"attention sites: {len(self.attention_sites)}"]
+        if self.replicated:
+            lines.append(f"runs replicated: {self.replicated}")
         lines += [f"  {site.summary()}" for site in self.attention_sites]
         lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]
         counts: dict[str, int] = {}
         for c in self.collectives:
             counts[c.kind] = counts.get(c.kind, 0) + 1
         lines.append("collectives (forward): " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
+        lines += [f"gathered output: {line}" for line in self.gathered_outputs]
         lines.append(f"fallbacks: {len(self.fallbacks)}")
         lines += [f"  {f}" for f in self.fallbacks]
         return "\n".join(lines)

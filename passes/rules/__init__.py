@@ -103,6 +103,17 @@ def replicate_all(view: RuleView, node: fx.Node) -> dict[fx.Node, Placement]:
     return {arg: REPLICATE for arg in view.tensor_args(node)}
 
 
+def index_entries(index, ndim: int) -> list:
+    """``x[index]``'s entries, one per dim of x (plus the ``None`` that insert dims): ``...`` expanded and
+    trailing dims filled with full slices."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        named = sum(1 for entry in entries if entry is not None and entry is not Ellipsis)
+        entries[at : at + 1] = [slice(None)] * (ndim - named)
+    return entries + [slice(None)] * (ndim - sum(1 for entry in entries if entry is not None))
+
+
 KEYWORD_ALIASES = {"axis": "dim", "keepdims": "keepdim", "dim0": "dim", "source": "dim", "destination": "dim1"}
 
 

@@ -1,13 +1,14 @@
 """Reductions and normalizations.
 
 Over dims other than the sequence they stay local. A sum over the sequence becomes ``Partial`` (each
-rank sums its block); a mean over it becomes the rank's mean divided by P, also ``Partial``, since all
-blocks have S/P elements. A cumsum along it adds the totals of the ranks before. Other reductions over
-the sequence (max, norms, cumprod) fall back.
+rank sums its block); a mean over it becomes the rank's sum divided by the global count, also
+``Partial`` (blocks may differ in size, or be empty). A cumsum along it adds the totals of the ranks
+before. Other reductions over the sequence (max, norms, cumprod) fall back.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -15,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.collectives import add_previous_ranks_totals
-from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
+from ulysses_compile.sharding import PARTIAL, PLACEMENT_KEY, REPLICATE, with_dim
 
 from . import Decision, method_or_function_args, normalize_dim, register
 from .pointwise import pointwise
@@ -33,10 +34,14 @@ def _keepdim(node, params) -> bool:
     return bool(method_or_function_args(node, params).get("keepdim", False))
 
 
-def _scale_by_inverse_world(node: fx.Node, sharding, ctx) -> None:
-    graph = node.graph
-    with graph.inserting_after(node):
-        scaled = graph.call_function(operator.truediv, (node, ctx.world_size))
+def _mean_as_partial_sum(node: fx.Node, sharding, ctx) -> None:
+    """``x.mean(dims)`` -> ``x.sum(dims) / count``, with the global count of the reduced elements."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    global_value = source.meta[PLACEMENT_KEY].global_value
+    count = math.prod(global_value.shape[d] for d in _reduced_dims(node, global_value, MEAN_PARAMS))
+    node.target = "sum" if node.op == "call_method" else torch.sum
+    with node.graph.inserting_after(node):
+        scaled = node.graph.call_function(operator.truediv, (node, count))
     node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
@@ -55,7 +60,7 @@ def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")
         if dim in dims:
             if not partial_ok or isinstance(outputs, tuple):
                 return None
-            return Decision(PARTIAL, {source: view.placement(source)}, _scale_by_inverse_world if scale else None)
+            return Decision(PARTIAL, {source: view.placement(source)}, _mean_as_partial_sum if scale else None)
         new_dim = dim if _keepdim(node, params) else dim - sum(1 for d in dims if d < dim)
         placement = with_dim(view.placement(source), new_dim)
         if isinstance(outputs, tuple):  # (values, indices)
@@ -66,7 +71,8 @@ def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")
 
 
 register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, scale=False))
-register("mean", torch.mean)(_reduction(partial_ok=True, scale=True))
+MEAN_PARAMS = ("input", "dim", "keepdim")
+register("mean", torch.mean)(_reduction(partial_ok=True, scale=True, params=MEAN_PARAMS))
 register(
     "amax", torch.amax, "amin", torch.amin, "max", torch.max, "min", torch.min, "prod", torch.prod,
     "logsumexp", torch.logsumexp, "all", torch.all, "any", torch.any, "argmax", torch.argmax, "argmin",

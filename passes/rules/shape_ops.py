@@ -14,9 +14,18 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.sharding import PARTIAL, REPLICATE, block_range, local_shape, seq_shard, with_dim
+from ulysses_compile.sharding import (
+    PARTIAL,
+    PLACEMENT_KEY,
+    REPLICATE,
+    NodeSharding,
+    block_range,
+    local_shape,
+    seq_shard,
+    with_dim,
+)
 
-from . import Decision, method_or_function_args, normalize_dim, register
+from . import Decision, index_entries, method_or_function_args, normalize_dim, register
 
 
 def _flat_position(shape, dim, outer, inner):
@@ -198,11 +207,7 @@ def _indexed(view, source, index) -> Decision | None:
         return None
     if lists and not all(isinstance(i, int) for i in lists[0]):
         return None  # one 1-D list of ints indexes in place, like a slice; anything else reorders dims
-    if Ellipsis in entries:
-        at = entries.index(Ellipsis)
-        used = sum(1 for e in entries if e is not None and e is not Ellipsis)
-        entries[at : at + 1] = [slice(None)] * (value.dim() - used)
-    entries += [slice(None)] * (value.dim() - sum(1 for e in entries if e is not None))
+    entries = index_entries(tuple(entries), value.dim())
     in_dim = out_dim = 0
     for position, entry in enumerate(entries):
         if entry is None:
@@ -211,7 +216,7 @@ def _indexed(view, source, index) -> Decision | None:
         if in_dim == dim:
             if isinstance(entry, int) and factors[1:] == (1, 1):
                 localize = functools.partial(_localize_position, entries=entries, position=position,
-                                             length=value.shape[dim])
+                                             out_dim=out_dim, length=value.shape[dim])
                 return Decision(PARTIAL, {source: placement}, localize)
             if not _is_full_slice(entry, value.shape[dim]):
                 return None
@@ -222,25 +227,27 @@ def _indexed(view, source, index) -> Decision | None:
     return None
 
 
-def zeroed(x):
-    return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0)
+def summed_away(x, dim: int):
+    """Sum over an empty dim: zeros of ``x``'s dtype, connected to ``x``."""
+    return x.sum(dim).to(x.dtype)
 
 
-def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, length) -> None:
+def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
     """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
-    so the partial values sum to the global result (pooling on the first or last token). The zeros stay
-    connected to ``x`` so every rank's backward runs the same collectives."""
+    so the partial values sum to the global result (pooling on the first or last token). Elsewhere the
+    position becomes an empty slice summed away: zeros still connected to ``x`` (so every rank's backward
+    runs the same collectives), also on a rank whose block is empty."""
     index = entries[position] % length
     starts = [block_range(length, ctx.world_size, rank)[0] for rank in range(ctx.world_size)]
     owner = max(rank for rank, start in enumerate(starts) if start <= index)
-    local = index - starts[owner]
     entries = list(entries)
-    entries[position] = local if ctx.rank == owner else 0
+    entries[position] = index - starts[owner] if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
         with node.graph.inserting_after(node):
-            zeros = node.graph.call_function(zeroed, (node,))
+            zeros = node.graph.call_function(summed_away, (node, out_dim))
         zeros.meta["ulysses_inserted"] = "not_this_ranks_position"
+        zeros.meta[PLACEMENT_KEY], node.meta[PLACEMENT_KEY] = sharding, NodeSharding(None, None)
         node.replace_all_uses_with(zeros, delete_user_cb=lambda user: user is not zeros)
 
 

@@ -1,0 +1,129 @@
+"""Any sequence length, sequence-first layouts, graph breaks, a data x sequence mesh, and ranks that
+disagree: structure in one process, numerics on real gloo ranks against eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attention_forms import outputs_of
+from models import model_zoo, token_batch, tiny_llama, zoo_inputs
+from multirank import compare_model, run_ranks
+from sequence_models import graph_break_gpt, sequence_first
+from test_structure import calls, rewritten_graphs
+from ulysses_compile import RankMismatchError
+from ulysses_compile.collectives import average_grad, scatter_seq, seq_to_heads
+
+
+def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
+    fake_group(4)
+    model, args, kwargs = sequence_first()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    scatters = {n.args[0].name: (n.kwargs["dim"], tuple(n.meta["val"].shape)) for n in calls(gm, scatter_seq)}
+    assert scatters["l_ids_"] == (0, (8, 2))
+    assert len(calls(gm, seq_to_heads)) == 6 and gm.meta["ulysses_report"].fallbacks == []
+
+
+def test_graph_breaks_gather_what_crosses_them_and_say_so(fake_group):
+    fake_group(2)
+    model, args, kwargs = graph_break_gpt()
+    graphs = rewritten_graphs(model, args, kwargs)
+    reports = [gm.meta["ulysses_report"] for gm in graphs]
+    assert [len(report.attention_sites) for report in reports] == [1, 1, 0]
+    crossing = [line for report in reports[:2] for line in report.gathered_outputs]
+    assert len(crossing) == 2 and all("leaves the graph" in line and "[2, 32, 64]" in line for line in crossing)
+    assert reports[2].replicated == "no attention in this graph"
+
+
+def test_data_parallel_mesh_averages_every_trainable_parameter(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    model = tiny_llama(layers=1)
+    ids, labels = token_batch(seq=32)
+    (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False}, mesh=mesh)
+    averaged = {n.args[0].name for n in calls(gm, average_grad)}
+    assert len(averaged) == len(list(model.parameters())) and len(calls(gm, seq_to_heads)) == 3
+
+
+def _equal_to_eager(rank, model, args, kwargs, name):
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    got = outputs_of(torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs))
+    got["loss"].backward()
+    want = outputs_of(reference(*args, **kwargs))
+    want["loss"].backward()
+    compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
+
+
+def lengths_and_layouts_equal_to_eager(rank, world_size):
+    zoo = model_zoo()
+    for seq in (30, 2):  # 8, 8, 7, 7 tokens per rank; shorter than the ranks: replicated
+        ids, labels = token_batch(seq=seq)
+        _equal_to_eager(rank, tiny_llama(), (), {"input_ids": ids, "labels": labels, "use_cache": False},
+                        f"llama S={seq}")
+    for name in ("roberta_padding", "bert_classifier"):  # cumsum positions, first-token pooling
+        factory, kind = zoo[name]
+        _equal_to_eager(rank, factory(), (), zoo_inputs(kind, seq=30), f"{name} S=30")
+    _equal_to_eager(rank, *sequence_first(seq=30), "sequence first S=30")
+    _equal_to_eager(rank, *graph_break_gpt(seq=30), "graph breaks S=30")
+
+
+@pytest.mark.multirank
+def test_lengths_layouts_and_graph_breaks_equal_to_eager_at_four_ranks():
+    run_ranks(lengths_and_layouts_equal_to_eager, 4)
+
+
+def data_times_sequence_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    replica = mesh.get_local_rank("dp")
+    model = tiny_llama(layers=1)
+    reference = copy.deepcopy(model)
+    batches = [token_batch(seq=32, seed=seed) for seed in (1, 2)]  # one batch per replica
+    ids, labels = batches[replica]
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager", "mesh": mesh})
+    loss = compiled(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    eager_losses = [reference(input_ids=i, labels=l, use_cache=False).loss for i, l in batches]
+    (sum(eager_losses) / len(eager_losses)).backward()  # DDP: the replicas' gradients averaged
+    compare_model(rank, model, reference, {"replica loss": (loss, eager_losses[replica])})
+
+
+@pytest.mark.multirank
+def test_data_parallel_by_sequence_parallel_mesh_at_four_ranks():
+    run_ranks(data_times_sequence_mesh, 4)
+
+
+def disagreeing_ranks(rank, world_size):
+    ids, labels = token_batch(seq=32 if rank == 0 else 48)
+    compiled = torch.compile(tiny_llama(layers=1), backend="ulysses", options={"compiler": "aot_eager"})
+    with pytest.raises(RankMismatchError) as raised:
+        compiled(input_ids=ids, labels=labels, use_cache=False)
+    message = str(raised.value)
+    assert f"rank {rank}: the sequence-parallel ranks compiled different programs" in message
+    assert "input_ids: rank 0 (2, 32) int64, rank 1 (2, 48) int64" in message
+
+
+@pytest.mark.multirank
+def test_ranks_fed_different_shapes_get_an_error_not_a_hang():
+    run_ranks(disagreeing_ranks, 2)
+
+
+def test_symbolic_sequence_length_is_refused_with_what_to_do(fake_group):
+    from ulysses_compile import UnsupportedError
+    from ulysses_compile.backend import ulysses
+
+    fake_group(2)
+    ids, labels = token_batch(seq=32)
+    backend = lambda gm, example_inputs: ulysses(gm, example_inputs, options={"compiler": "eager"})  # noqa: E731
+    compiled = torch.compile(tiny_llama(layers=1), backend=backend, dynamic=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(input_ids=ids, labels=labels, use_cache=False)
+    error = raised.value.inner_exception
+    assert isinstance(error, UnsupportedError) and "use torch.compile(..., dynamic=False)" in str(error)
+    assert "model.layers.0.self_attn" in str(error)
