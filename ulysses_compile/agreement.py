@@ -56,6 +56,6 @@ def _compare(seen: list[dict], rank: int) -> None:
     raise RankMismatchError(
         f"rank {rank}: the sequence-parallel ranks compiled different programs (ranks {differing} differ from "
         f"rank 0), so their collectives would not match:\n" + "\n".join(lines) + "\nEvery rank of the group "
-        f"must pass the same global batch (same shapes and dtypes) and run the same code; a data-parallel "
-        f"replica with its own batch belongs on the mesh's \"dp\" dim."
+        "must pass the same global batch (same shapes and dtypes) and run the same code; a data-parallel "
+        "replica with its own batch belongs on the mesh's \"dp\" dim."
     )

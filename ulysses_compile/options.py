@@ -63,8 +63,8 @@ class Options:
                 )
             if "dp" in names and self.mesh.size(names.index("sp")) == 1:
                 raise OptionsError(
-                    f"option mesh has an 'sp' dim of size 1: there is no sequence to split; for data "
-                    f"parallelism alone use DistributedDataParallel, or give 'sp' more ranks"
+                    "option mesh has an 'sp' dim of size 1: there is no sequence to split; for data "
+                    "parallelism alone use DistributedDataParallel, or give 'sp' more ranks"
                 )
 
     def data_parallel_group(self):
