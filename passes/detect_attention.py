@@ -58,7 +58,6 @@ class AttentionSite:
     key_source: fx.Node | None = None
     value_source: fx.Node | None = None
     kv_repeat: int = 1
-    enable_gqa: bool = False
     scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node`` is probs @ v)
     side_inputs: tuple = ()  # what else the scores are combined with (masks, biases): kept whole
     # Where q, k, v (and an SDPA mask) enter the site: role -> (node, argument index or keyword).
@@ -67,6 +66,11 @@ class AttentionSite:
     # Hand-written attention's nodes that run on this rank's heads: node -> (its head dim, the head dim
     # of inputs whose layout differs from its own).
     region: dict = field(default_factory=dict)
+
+    def entering(self, role: str) -> fx.Node:
+        """The value that enters the site as ``role`` ("query", "key", "value", "attn_mask", ...)."""
+        consumer, slot = self.consumers[role]
+        return consumer.args[slot] if isinstance(slot, int) else consumer.kwargs[slot]
 
     def mask_inputs(self) -> tuple:
         return self.side_inputs + ((self.mask,) if isinstance(self.mask, fx.Node) else ())
@@ -334,8 +338,7 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         elif name in node.kwargs:
             consumers[name] = (node, name)
     return _site(node, "scaled_dot_product_attention", module_path(node), args["query"], args["key"],
-                 args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)),
-                 enable_gqa=bool(args.get("enable_gqa", False)), consumers=consumers)
+                 args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)), consumers=consumers)
 
 
 def _flash_site(node: fx.Node) -> AttentionSite:
@@ -345,7 +348,7 @@ def _flash_site(node: fx.Node) -> AttentionSite:
         consumers["alibi_slopes"] = (node, "alibi_slopes")
     query, key, value = node.args[:3]
     return _site(node, "flash_attn", module_path(node), query, key, value, mask=node.kwargs.get("alibi_slopes"),
-                 is_causal=node.kwargs["causal"], enable_gqa=True, consumers=consumers, head_axis=2, seq_axis=1)
+                 is_causal=node.kwargs["causal"], consumers=consumers, head_axis=2, seq_axis=1)
 
 
 def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, **details) -> AttentionSite:

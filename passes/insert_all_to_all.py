@@ -37,14 +37,14 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     for site in ctx.sites:
         consumer, slot = site.consumers["query"]
-        query = _get_arg(consumer, slot)
+        query = site.entering("query")
         _set_arg(consumer, slot, _mark(insert_call(
             graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
                                   ctx.group_name), before=consumer), Shard(site.head_axis), query))
         replaced: list[tuple[fx.Node, fx.Node]] = []
         for role, source in (("key", site.key_source), ("value", site.value_source)):
             consumer, slot = site.consumers[role]
-            kv = _get_arg(consumer, slot)
+            kv = site.entering(role)
             _set_arg(consumer, slot, _kv_for_rank_heads(graph, consumer, kv, source, site, ctx, replaced))
         if site.scores is None:
             _narrow_mask_heads(graph, site, ctx)
@@ -60,10 +60,6 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
             _mark(output, Shard(site.head_axis), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
-
-
-def _get_arg(node: fx.Node, slot: int | str):
-    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
 
 
 def _set_arg(node: fx.Node, slot: int | str, new) -> None:
@@ -135,11 +131,12 @@ PER_HEAD_INPUTS = {"attn_mask": 3, "alibi_slopes": 1}
 def _narrow_mask_heads(graph, site, ctx) -> None:
     for role, from_end in PER_HEAD_INPUTS.items():
         if role in site.consumers:
-            _narrow_heads(graph, site, ctx, *site.consumers[role], from_end)
+            _narrow_heads(graph, site, ctx, role, from_end)
 
 
-def _narrow_heads(graph, site, ctx, consumer, slot, from_end: int) -> None:
-    mask = _get_arg(consumer, slot)
+def _narrow_heads(graph, site, ctx, role: str, from_end: int) -> None:
+    consumer, slot = site.consumers[role]
+    mask = site.entering(role)
     if not isinstance(mask, fx.Node):
         return
     value = sharding_of(mask).global_value

@@ -15,8 +15,8 @@ After: the same graph, each node annotated with ``node.meta["ulysses_sharding"]`
 Graph inputs are global (every rank passes the same batch), so they start Replicate. Sharding starts
 where it pays: at a node on the way to an attention's q/k/v (and not to its mask, which must stay
 whole) whose inputs are all replicated, the first non-parameter input is offered sharded along its
-sequence dim (found by walking back from the attention, rules/sequence_dims.py); if the op's rule accepts that, the
-input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
+sequence dim (found by walking back from the attention, rules/sequence_dims.py); if the op's rule
+accepts that, the input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
 no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
 """
 
@@ -57,7 +57,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
             continue
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
-            inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value) for arg in view.tensor_args(node)}
+            inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
+                      for arg in view.tensor_args(node)}
             node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, inputs)
         else:
             node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
@@ -69,7 +70,7 @@ def _head_parallel_nodes(ctx) -> dict[fx.Node, tuple[Shard, dict]]:
     follow). q, k and v enter them sequence-sharded; insert_all_to_all turns them to heads there."""
     nodes = {}
     for site in ctx.sites:
-        entering = {_entering(site, role): Shard(site.seq_axis) for role in ("query", "key", "value")}
+        entering = {site.entering(role): Shard(site.seq_axis) for role in ("query", "key", "value")}
         for node, (head_axis, operands) in site.region.items():
             nodes[node] = (Shard(head_axis), {**{arg: Shard(dim) for arg, dim in operands.items()}, **entering})
     return nodes
@@ -85,10 +86,6 @@ def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
         return Shard(dim)
     return REPLICATE
 
-
-def _entering(site, role: str) -> fx.Node:
-    consumer, slot = site.consumers[role]
-    return consumer.args[slot] if isinstance(slot, int) else consumer.kwargs[slot]
 
 
 def _output_placement(node: fx.Node):

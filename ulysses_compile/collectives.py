@@ -82,9 +82,9 @@ def _gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group
     """Every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
     the largest, as all-gather needs equal sizes."""
     sizes = block_sizes(length, world_size)
-    local_seq = x.shape[dim] // (outer * inner)
-    split = x.reshape([*x.shape[:dim], outer, local_seq, inner, *x.shape[dim + 1 :]])
+    split = x.reshape(_split_seq(x.shape, dim, outer, inner))
     seq_axis = dim + 1
+    local_seq = split.shape[seq_axis]
     if local_seq < sizes[0]:
         padding = list(split.shape)
         padding[seq_axis] = sizes[0] - local_seq
@@ -129,31 +129,23 @@ class _ReducePartial(torch.autograd.Function):
         return grad, None
 
 
-class _AverageGrad(torch.autograd.Function):
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over a group and divides it by ``divisor``."""
+
     @staticmethod
-    def forward(ctx, x, group_name, group_size):
-        ctx.group_name, ctx.group_size = group_name, group_size
+    def forward(ctx, x, group_name, divisor):
+        ctx.group_name, ctx.divisor = group_name, divisor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_sum(grad, ctx.group_name) / ctx.group_size, None, None
-
-
-class _SyncGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group_name):
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_sum(grad, ctx.group_name), None
+        total = _all_reduce_sum(grad, ctx.group_name)
+        return (total if ctx.divisor == 1 else total / ctx.divisor), None, None
 
 
 def average_grad(x, group_name: str, group_size: int):
     """Identity whose backward averages the gradient over the data-parallel replicas (DDP's rule)."""
-    return _AverageGrad.apply(x, group_name, group_size)
+    return _ReduceGrad.apply(x, group_name, group_size)
 
 
 def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int, group_name: str):
@@ -173,7 +165,7 @@ def reduce_partial(x, group_name: str):
 
 def sync_grad(x, group_name: str):
     """Identity whose backward sums the ranks' gradients of a replicated value."""
-    return _SyncGrad.apply(x, group_name)
+    return _ReduceGrad.apply(x, group_name, 1)
 
 
 def _all_to_all(chunks: list[torch.Tensor], received_shapes: list[list[int]], group_name: str) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Over dims other than the sequence they stay local. A sum over the sequence becomes ``Partial`` (each
 rank sums its block); a mean over it becomes the rank's sum divided by the global count, also
-``Partial`` (blocks may differ in size, or be empty). A cumsum along it adds the totals of the ranks
+``Partial`` (blocks may differ in size). A cumsum along it adds the totals of the ranks
 before. Other reductions over the sequence (max, norms, cumprod) fall back.
 """
 

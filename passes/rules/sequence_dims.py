@@ -112,16 +112,15 @@ def _through_index(source: fx.Node, value: torch.Tensor, index, dim: int) -> tup
 def _elementwise(node: fx.Node, out: torch.Tensor, dim: int, parameters) -> tuple[fx.Node, int] | None:
     """Ops that keep every dim in place (pointwise, norms, casts, dropout): the argument aligned from the
     right with a dim of the same size, parameters last."""
+    tensors = [arg for arg in node.all_input_nodes if isinstance(_value(arg), torch.Tensor)]
+    if any(_value(arg).dim() > out.dim() for arg in tensors):
+        return None  # a reduction or another op that drops dims
     candidates = []
-    for arg in node.all_input_nodes:
-        value = _value(arg)
-        if not isinstance(value, torch.Tensor) or value.dim() > out.dim():
-            continue
-        aligned = dim - (out.dim() - value.dim())
-        if aligned >= 0 and value.shape[aligned] == out.shape[dim]:
+    for arg in tensors:
+        aligned = dim - (out.dim() - _value(arg).dim())
+        if aligned >= 0 and _value(arg).shape[aligned] == out.shape[dim]:
             candidates.append((arg in parameters, arg, aligned))
-    if not candidates or any(not isinstance(_value(arg), torch.Tensor) or _value(arg).dim() > out.dim()
-                             for arg in node.all_input_nodes if isinstance(_value(arg), torch.Tensor)):
+    if not candidates:
         return None
     _, arg, aligned = min(candidates, key=lambda candidate: candidate[0])
     return arg, aligned
