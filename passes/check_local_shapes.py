@@ -10,19 +10,19 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp, detect_fake_mode
+from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp
 from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import describe, local_shape, sharding_of
+from ulysses_compile.sizes import agree
 
 
 def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
     gm.graph.lint()
     gm.recompile()
-    mode = detect_fake_mode(ctx.example_inputs) or FakeTensorMode()
-    fake_inputs = [
-        mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-        for x in ctx.example_inputs
-    ]
+    # The placeholders' example values are Dynamo's fake inputs, with symbolic sizes where the graph
+    # is dynamic; faking the real example inputs again would fix those sizes to this call's.
+    fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
+    mode = next((x.fake_mode for x in fake_inputs if isinstance(x, FakeTensor)), None) or FakeTensorMode()
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
         sharding = sharding_of(node)
@@ -37,7 +37,7 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
         ):
             continue
         expected = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
-        if tuple(local.shape) != expected:
+        if len(local.shape) != len(expected) or not all(map(agree, local.shape, expected)):
             raise InternalError(
                 f"node {node.name} ({node.target}) has local shape {tuple(local.shape)} but placement "
                 f"{describe(sharding.output)} of global shape {tuple(sharding.global_value.shape)} "

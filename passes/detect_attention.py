@@ -10,7 +10,8 @@ After: the hand-written result passes through ``attention_output(out)`` (an iden
 the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one
 :class:`AttentionSite` per call, with its module path, heads, KV heads, head dim, sequence lengths and
 mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site with fewer heads
-than ranks raises here, before any rewrite.
+than ranks raises here, before any rewrite. A symbolic sequence length is guarded to its class
+(``sizes.pin_length_class``), the same on every rank.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
 from ulysses_compile.report import module_path
 from ulysses_compile.sharding import block_sizes
+from ulysses_compile.sizes import is_symbolic, pin_length_class, same_size
 
 from .recognize_flash_attention import flash_attention
 
@@ -104,7 +106,7 @@ class AttentionSite:
 
     def summary(self) -> str:
         kv = f" (kv {self.kv_heads}{f', repeated x{self.kv_repeat} in the model' if self.kv_repeat > 1 else ''})"
-        seq = f"{self.seq_len}" + (f" -> {self.kv_seq_len}" if self.kv_seq_len != self.seq_len else "")
+        seq = f"{self.seq_len}" + ("" if same_size(self.kv_seq_len, self.seq_len) else f" -> {self.kv_seq_len}")
         return (
             f"{self.module or self.node.name}: {self.form} {self.layout()}, heads {self.heads}{kv}, "
             f"head_dim {self.head_dim}, seq {seq}, mask {self.mask_kind()}; {self.decision}"
@@ -144,10 +146,12 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
         else:
             continue
         _check_heads(site, ctx.world_size)
+        pin_length_class(site.seq_len, ctx.world_size)
+        pin_length_class(site.kv_seq_len, ctx.world_size)
         site.decision = _decide(site, ctx.world_size)
         log.debug("ulysses_compile: attention %s", site.summary())
         ctx.sites.append(site)
-        ctx.seq_lengths |= {site.seq_len, site.kv_seq_len}
+        ctx.seq_lengths += [site.seq_len, site.kv_seq_len]
     ctx.report.attention_sites = list(ctx.sites)
 
 
@@ -355,14 +359,15 @@ def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, 
     """A site with its sizes read off q and k (by default ``[.., heads, seq, head_dim]``), and any KV
     repeat."""
     q, k = _value(query), _value(key)
-    if not all(isinstance(size, int) for size in (*q.shape, *k.shape)):
-        raise UnsupportedError(
-            f"attention {module or node.name}: query shape {tuple(q.shape)} and key shape {tuple(k.shape)} are "
-            f"symbolic (torch.compile made them dynamic after a call with other input shapes); this version "
-            f"needs static sizes: use torch.compile(..., dynamic=False), which compiles once per input shape"
-        )
     head_axis = q.dim() - 3 if head_axis is None else head_axis
     seq_axis = q.dim() - 2 if seq_axis is None else seq_axis
+    fixed = (q.shape[head_axis], k.shape[head_axis], q.shape[-1])
+    if any(is_symbolic(size) for size in fixed):
+        raise UnsupportedError(
+            f"attention {module or node.name}: heads, key/value heads and head dim {fixed} are symbolic; "
+            f"only the sequence length may change between calls. Mark only the sequence dim dynamic "
+            f"(torch._dynamo.mark_dynamic(x, seq_dim)) or compile with dynamic=False"
+        )
     site = AttentionSite(
         node=node,
         form=form,

@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ulysses_compile.errors import UnsupportedError
 from ulysses_compile.report import Fallback
+from ulysses_compile.sizes import same_size
 from ulysses_compile.sharding import (
     PLACEMENT_KEY,
     REPLICATE,
@@ -160,7 +161,7 @@ def _sequence_dim(value, seq_lengths) -> int | None:
     the last such dim that is not the feature (last) dim, so [B, S] and [B, S, H] pick S."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None
-    dims = [d for d, size in enumerate(value.shape) if size in seq_lengths]
+    dims = [d for d, size in enumerate(value.shape) if any(same_size(size, length) for length in seq_lengths)]
     if len(dims) > 1 and dims[-1] == value.dim() - 1:
         dims = dims[:-1]
     return dims[-1] if dims else None

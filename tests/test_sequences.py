@@ -114,16 +114,66 @@ def test_ranks_fed_different_shapes_get_an_error_not_a_hang():
     run_ranks(disagreeing_ranks, 2)
 
 
-def test_symbolic_sequence_length_is_refused_with_what_to_do(fake_group):
-    from ulysses_compile import UnsupportedError
+def _compiled_counting_graphs(model, **compile_kwargs):
+    """The model compiled with the ulysses backend (eager inner compiler), and the list of rewritten graphs."""
     from ulysses_compile.backend import ulysses
 
-    fake_group(2)
-    ids, labels = token_batch(seq=32)
-    backend = lambda gm, example_inputs: ulysses(gm, example_inputs, options={"compiler": "eager"})  # noqa: E731
-    compiled = torch.compile(tiny_llama(layers=1), backend=backend, dynamic=True)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
+        graphs.append(gm)
+        return compiled
+
+    return torch.compile(model, backend=capture, **compile_kwargs), graphs
+
+
+def test_changing_lengths_share_a_symbolic_graph_per_remainder_class(fake_group):
+    from ulysses_compile.sharding import block_sizes
+
+    fake_group(4, rank=3)
+    compiled, graphs = _compiled_counting_graphs(tiny_llama(layers=1))
+    counts = []
+    for seq in (32, 48, 64, 40, 30, 38, 6, 3):
+        ids, labels = token_batch(seq=seq)
         compiled(input_ids=ids, labels=labels, use_cache=False)
-    error = raised.value.inner_exception
-    assert isinstance(error, UnsupportedError) and "use torch.compile(..., dynamic=False)" in str(error)
-    assert "model.layers.0.self_attn" in str(error)
+        counts.append(len(graphs))
+    # 32 static; one symbolic graph for the multiples of 4 and one for remainder 2 (each at least 2P);
+    # 6 (< 2P) is compiled for its length; 3 (< P) runs replicated.
+    assert counts == [1, 2, 2, 2, 3, 3, 4, 5]
+    assert [bool(gm.meta["ulysses_report"].replicated) for gm in graphs] == [False] * 4 + [True]
+    for gm, lengths in ((graphs[1], (48, 64, 40, 1000)), (graphs[2], (30, 38, 1002))):
+        ids_input = next(n for n in gm.graph.find_nodes(op="placeholder") if "input_ids" in n.name)
+        symbol = ids_input.meta["example_value"].shape[1].node.expr
+        to_heads = calls(gm, seq_to_heads)
+        assert len(to_heads) == 3 and all(n.kwargs["seq_len"].meta["val"].node.expr == symbol for n in to_heads)
+        query = to_heads[0].args[0].meta["val"]  # rank 3's [B, H, S/P, D] before the all-to-all
+        for seq in lengths:
+            assert query.shape[2].node.expr.subs(symbol, seq) == block_sizes(seq, 4)[3]
+            # after it: the whole sequence, as the sum of every rank's block
+            assert to_heads[0].meta["val"].shape[2].node.expr.subs(symbol, seq) == seq
+
+
+def dynamic_lengths_equal_to_eager(rank, world_size):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = tiny_llama(layers=1)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"}, fullgraph=True)
+    for seq in (32, 48, 64, 40, 56, 31, 45):
+        model.zero_grad()
+        reference.zero_grad()
+        ids, labels = token_batch(seq=seq)
+        got = compiled(input_ids=ids, labels=labels, use_cache=False)
+        got.loss.backward()
+        want = reference(input_ids=ids, labels=labels, use_cache=False)
+        want.loss.backward()
+        compare_model(rank, model, reference, {f"S={seq} loss": (got.loss, want.loss),
+                                               f"S={seq} logits": (got.logits, want.logits)})
+    assert counters["stats"]["unique_graphs"] == 3  # 32; the even lengths; the odd ones
+
+
+@pytest.mark.multirank
+def test_changing_lengths_compile_at_most_once_per_class_and_equal_eager():
+    run_ranks(dynamic_lengths_equal_to_eager, 2)

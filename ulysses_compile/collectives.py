@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from .compat import c10d_functional
 from .sharding import block_range, block_sizes
+from .sizes import is_symbolic, size_arg
 
 __all__ = [
     "COLLECTIVES",
@@ -78,20 +79,26 @@ def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Te
     return _merge_seq(split.narrow(dim + 1, start, size), dim)
 
 
+def _all_equal(sizes) -> bool:
+    """Blocks known to be of one size. Blocks of a symbolic length count as uneven (padding or split
+    sizes of 0 cost little), so the graph holds for every length without a guard."""
+    return not any(is_symbolic(size) for size in sizes) and len(set(sizes)) == 1
+
+
 def _gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
     """Every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
     the largest, as all-gather needs equal sizes."""
     sizes = block_sizes(length, world_size)
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
     seq_axis = dim + 1
-    local_seq = split.shape[seq_axis]
-    if local_seq < sizes[0]:
+    even = _all_equal(sizes)
+    if not even:
         padding = list(split.shape)
-        padding[seq_axis] = sizes[0] - local_seq
+        padding[seq_axis] = sizes[0] - split.shape[seq_axis]
         split = torch.cat([split, split.new_zeros(padding)], seq_axis)
     gathered = _all_gather_dim0(split.movedim(seq_axis, 0), world_size, group_name)
     # gathered: [P * block, ...rest] with the ranks' blocks in rank order along dim 0
-    if len(set(sizes)) > 1:
+    if not even:
         gathered = torch.cat([gathered.narrow(0, rank * sizes[0], size) for rank, size in enumerate(sizes)])
     return _merge_seq(gathered.movedim(0, seq_axis), dim).contiguous()
 
@@ -182,7 +189,7 @@ def _reshard(x, from_dim: int, to_dim: int, from_length: int, rank: int, world_s
     """``x`` holds this rank's block of ``from_dim`` (global size ``from_length``) and all of ``to_dim``;
     the result holds all of ``from_dim`` and this rank's block of ``to_dim``. Blocks may be uneven."""
     to_sizes, from_sizes = block_sizes(x.shape[to_dim], world_size), block_sizes(from_length, world_size)
-    if len(set(to_sizes)) == 1 and len(set(from_sizes)) == 1:
+    if _all_equal(to_sizes) and _all_equal(from_sizes):
         return _reshard_even(x, from_dim, to_dim, world_size, group_name)
     chunks = list(x.split(to_sizes, to_dim))
 
@@ -260,6 +267,7 @@ def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = No
     anchor = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
     names = list(inspect.signature(fn).parameters)[1:]
     with anchor:
-        node = graph.call_function(fn, args[:1], dict(zip(names, args[1:])))
+        node = graph.call_function(fn, args[:1])
+    node.kwargs = dict(zip(names, size_arg(graph, args[1:], before=node)))
     node.meta["ulysses_inserted"] = fn.__name__
     return node

@@ -10,13 +10,19 @@ from torch.distributed._functional_collectives import (
     all_to_all_single,
 )
 from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.proxy import GraphAppendingTracer
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "c10d_functional",
     "FakeTensorProp",
+    "GraphAppendingTracer",
+    "PythonReferenceAnalysis",
     "_get_group_size_by_name",
     "_resolve_process_group",
     "all_gather_tensor",
@@ -25,6 +31,8 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "detect_fake_mode",
+    "statically_known_true",
+    "sympy_interp",
 ]
 
 import torch  # noqa: E402

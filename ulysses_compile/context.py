@@ -21,7 +21,7 @@ class PassContext:
     report: Report = field(default_factory=Report)
     sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
     parameters: set[fx.Node] = field(default_factory=set)  # placeholders holding parameters/buffers
-    seq_lengths: set[int] = field(default_factory=set)  # attention sequence lengths, propagation may shard
+    seq_lengths: list = field(default_factory=list)  # attention sequence lengths, propagation may shard
     data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
 
     @staticmethod

@@ -72,9 +72,10 @@ def _runs_replicated(ctx: PassContext) -> bool:
     on every rank: exact, and at such lengths nothing is gained by splitting."""
     if not ctx.sites:
         ctx.report.replicated = "no attention in this graph"
-    shortest = min((length for site in ctx.sites for length in (site.seq_len, site.kv_seq_len)), default=None)
-    if shortest is not None and shortest < ctx.world_size:
-        ctx.report.replicated = (f"a sequence of {shortest} positions is shorter than the {ctx.world_size} "
+    # For a symbolic length this comparison becomes a guard: a shorter call compiles its own graph.
+    short = [length for site in ctx.sites for length in (site.seq_len, site.kv_seq_len) if length < ctx.world_size]
+    if short:
+        ctx.report.replicated = (f"a sequence of {short[0]} positions is shorter than the {ctx.world_size} "
                                  f"sequence-parallel ranks")
     return bool(ctx.report.replicated)
 

@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .sizes import as_int
+
 PLACEMENT_KEY = "ulysses_sharding"
 
 
@@ -31,6 +33,9 @@ class MergedShard:
 
     def __repr__(self) -> str:
         return f"MergedShard(dim={self.dim}, outer={self.outer}, inner={self.inner})"
+
+    def __hash__(self) -> int:  # outer/inner may be SymInts (a dynamic batch), which do not hash
+        return hash((self.dim, str(self.outer), str(self.inner)))
 
 
 Placement = Union[Replicate, Shard, Partial, MergedShard]
@@ -56,6 +61,7 @@ def block_range(length: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def seq_shard(dim: int, outer: int = 1, inner: int = 1) -> Placement:
     """The canonical placement for a sequence sharded inside dim ``dim`` as ``[outer, S, inner]``."""
+    outer, inner = as_int(outer), as_int(inner)
     if outer == 1 and inner == 1:
         return Shard(dim)
     return MergedShard(dim, outer, inner)

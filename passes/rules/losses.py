@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ulysses_compile.collectives import reduce_partial
 from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
+from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, register
 
@@ -44,7 +45,7 @@ def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> 
             count_total = graph.call_function(reduce_partial, (count, ctx.group_name))
             inserted += [count, count_total]
         else:
-            count_total = denominator
+            count_total = size_arg(graph, denominator, before=node.next)
         loss = graph.call_function(operator.truediv, (total, count_total))
         inserted.append(loss)
     for new in inserted:

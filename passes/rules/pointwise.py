@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ulysses_compile.collectives import take_block
 from ulysses_compile.sharding import REPLICATE, seq_factors, seq_shard
+from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, mutated_arg, register
 
@@ -56,7 +57,7 @@ def pointwise(node, view):
     if not isinstance(out, torch.Tensor):
         return None
     inputs = view.tensor_args(node)
-    targets = set()
+    targets = []
     for arg in inputs:
         factors = view.sharded(arg)
         if factors is not None:
@@ -64,10 +65,10 @@ def pointwise(node, view):
             out_dim = dim + out.dim() - view.value(arg).dim()
             if view.value(arg).shape[dim] != out.shape[out_dim]:
                 return None
-            targets.add((out_dim, outer, inner))
-    if len(targets) != 1:
+            targets.append(seq_shard(out_dim, outer, inner))
+    if not targets or any(target != targets[0] for target in targets):
         return None
-    (out_dim, outer, inner), = targets
+    out_dim, outer, inner = seq_factors(targets[0])
     demands = {}
     for arg in inputs:
         value = view.value(arg)
@@ -115,7 +116,7 @@ def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: in
 def _localize_dropout(node, sharding, ctx) -> None:
     args = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True})
     node.target = dropout_block
-    node.args = (args["input"], args["p"], args["training"], tuple(sharding.global_value.shape),
+    node.args = (args["input"], args["p"], args["training"], size_arg(node.graph, tuple(sharding.global_value.shape), before=node),
                  *seq_factors(sharding.output), ctx.rank, ctx.world_size)
     node.kwargs = {}
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ulysses_compile.collectives import add_previous_ranks_totals
 from ulysses_compile.sharding import PARTIAL, PLACEMENT_KEY, REPLICATE, with_dim
+from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, normalize_dim, register
 from .pointwise import pointwise
@@ -41,7 +42,8 @@ def _mean_as_partial_sum(node: fx.Node, sharding, ctx) -> None:
     count = math.prod(global_value.shape[d] for d in _reduced_dims(node, global_value, MEAN_PARAMS))
     node.target = "sum" if node.op == "call_method" else torch.sum
     with node.graph.inserting_after(node):
-        scaled = node.graph.call_function(operator.truediv, (node, count))
+        scaled = node.graph.call_function(operator.truediv, (node, node))
+    scaled.args = (node, size_arg(node.graph, count, before=scaled))
     node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 

@@ -25,6 +25,9 @@ from ulysses_compile.sharding import (
     with_dim,
 )
 
+from ulysses_compile.compat import statically_known_true
+from ulysses_compile.sizes import size_arg
+
 from . import Decision, index_entries, method_or_function_args, normalize_dim, register
 
 
@@ -47,11 +50,13 @@ def view_placement(in_shape, out_shape, factors):
     return None
 
 
-def _localize_view(method: str):
+def _localize_shape(method: str):
+    """Rewrite a view, reshape or expand to the local shape its placement implies."""
+
     def localize(node: fx.Node, sharding, ctx) -> None:
         shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
         node.op, node.target = "call_method", method
-        node.args, node.kwargs = (node.args[0], shape), {}
+        node.args, node.kwargs = (node.args[0], size_arg(node.graph, shape, before=node)), {}
 
     return localize
 
@@ -68,13 +73,7 @@ def view_rule(node, view):
     if placement is None:
         return None
     method = "view" if node.target in ("view", "view_as") else "reshape"
-    return Decision(placement, {source: view.placement(source)}, _localize_view(method))
-
-
-def _localize_expand(node: fx.Node, sharding, ctx) -> None:
-    shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
-    node.op, node.target = "call_method", "expand"
-    node.args, node.kwargs = (node.args[0], shape), {}
+    return Decision(placement, {source: view.placement(source)}, _localize_shape(method))
 
 
 @register("expand")
@@ -88,7 +87,28 @@ def expand_rule(node, view):
     out_dim = dim + out.dim() - view.value(source).dim()
     if out.shape[out_dim] != view.value(source).shape[dim]:
         return None
-    return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)}, _localize_expand)
+    return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)},
+                    _localize_shape("expand"))
+
+
+def _global_size(node: fx.Node, sharding, ctx) -> None:
+    """``x.size()`` / ``x.size(d)`` of a sharded ``x`` (Dynamo records them when sizes are symbolic):
+    the program asked for the global size, so compute it from the graph's size inputs instead."""
+    size = size_arg(node.graph, tuple(sharding.global_value) if isinstance(sharding.global_value, torch.Size)
+                    else sharding.global_value, before=node)
+    if isinstance(size, tuple):
+        with node.graph.inserting_before(node):
+            size = node.graph.call_function(torch.Size, (list(size),))
+    node.replace_all_uses_with(size)
+    node.graph.erase_node(node)
+
+
+@register("size")
+def size_rule(node, view):
+    source = node.args[0]
+    if view.sharded(source) is None:
+        return None
+    return Decision(None, {source: view.placement(source)}, _global_size)
 
 
 def _dim_map_rule(mapping):
@@ -162,9 +182,14 @@ def _is_full_slice(entry, size) -> bool:
     return (
         isinstance(entry, slice)
         and entry.start in (None, 0)
-        and (entry.stop is None or (isinstance(entry.stop, int) and entry.stop >= size))
+        and (entry.stop is None or statically_known_true(_size_value(entry.stop) >= size))
         and entry.step in (None, 1)
     )
+
+
+def _size_value(arg):
+    """A slice bound as a number: an int, or the SymInt a size node computes."""
+    return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
 
 
 @register(operator.getitem)
@@ -241,7 +266,7 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_d
     starts = [block_range(length, ctx.world_size, rank)[0] for rank in range(ctx.world_size)]
     owner = max(rank for rank, start in enumerate(starts) if start <= index)
     entries = list(entries)
-    entries[position] = index - starts[owner] if ctx.rank == owner else slice(0, 0)
+    entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
         with node.graph.inserting_after(node):
