@@ -94,10 +94,6 @@ def data_times_sequence_mesh(rank, world_size):
     compare_model(rank, model, reference, {"replica loss": (loss, eager_losses[replica])})
 
 
-@pytest.mark.multirank
-def test_data_parallel_by_sequence_parallel_mesh_at_four_ranks():
-    run_ranks(data_times_sequence_mesh, 4)
-
 
 def disagreeing_ranks(rank, world_size):
     ids, labels = token_batch(seq=32 if rank == 0 else 48)

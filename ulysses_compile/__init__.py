@@ -13,6 +13,7 @@ from .errors import (
     VerificationError,
 )
 from .options import Options
+from .zero import full_state_dict, parallelize
 
 register_torch_log("ulysses_compile")
 
@@ -25,5 +26,7 @@ __all__ = [
     "UlyssesError",
     "UnsupportedError",
     "VerificationError",
+    "full_state_dict",
+    "parallelize",
     "ulysses",
 ]

@@ -8,7 +8,7 @@ import logging
 import torch.fx as fx
 
 from .agreement import checked_first_call, fingerprint
-from .compat import aot_autograd, compile_fx
+from .compat import aot_autograd, compile_fx, min_cut_rematerialization_partition
 from .context import PassContext
 from .options import Options
 from .pipeline import run_pipeline
@@ -58,7 +58,9 @@ def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str |
 
         return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
     if compiler == "aot_eager":
-        return aot_autograd(fw_compiler=_boxed_eager, bw_compiler=_boxed_eager)(gm, example_inputs)
+        # Inductor's partitioner, so aot_eager saves and recomputes what Inductor would (ZeRO-3 re-gathers).
+        return aot_autograd(fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
     return gm.forward
 
 

@@ -18,6 +18,8 @@ reduce_partial       P -> R: all-reduce(sum)    identity (each partial term gets
 sync_grad            identity                   all-reduce(sum): a replicated value used by sharded
                                                 ops only receives its rank's share of the gradient
 average_grad         identity                   all-reduce(sum) / D over the data-parallel replicas
+gather_parameter     ZeRO shard -> parameter:   reduce-scatter(sum) / N into the shards (N: every
+                     all-gather                 rank holding a shard, data x sequence)
 seq_to_heads         S(seq) -> S(heads)         the inverse all-to-all (autograd of all_to_all_single)
 heads_to_seq         S(heads) -> S(seq)         the inverse all-to-all
 ===================  =========================  ======================================================
@@ -41,6 +43,8 @@ __all__ = [
     "average_grad",
     "gather_kv_heads",
     "gather_objects",
+    "gather_parameter",
+    "gather_shards",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -248,7 +252,38 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
     return local_cumsum + gathered[:rank].sum(0)
 
 
-COLLECTIVES = (average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
+class _GatherParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, shape, numel, group_name, group_size):
+        ctx.args = (numel, group_name, group_size)
+        return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        numel, group_name, group_size = ctx.args
+        flat = grad.reshape(-1)
+        flat = torch.nn.functional.pad(flat, (0, -(-numel // group_size) * group_size - numel))
+        summed = c10d_functional.reduce_scatter_tensor(flat.contiguous(), "sum", group_size, group_name)
+        return c10d_functional.wait_tensor(summed) / group_size, None, None, None, None
+
+
+@torch.compiler.allow_in_graph
+def gather_parameter(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int,
+                     regather_in_backward: bool = False):
+    """A ZeRO shard (this rank's flat 1/N of the padded parameter) -> the full parameter of ``shape``.
+    Backward: the gradient reduce-scattered into the shards and divided by N. Every rank's gradient of
+    the full parameter is the same whole gradient (``sync_grad`` summed the sequence ranks' shares), so
+    the division leaves one copy per data-parallel replica, averaged as DDP does.
+    ``regather_in_backward`` (ZeRO stage 3) is read by passes/regather_parameters.py."""
+    return _GatherParameter.apply(shard, shape, numel, group_name, group_size)
+
+
+def gather_shards(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int) -> torch.Tensor:
+    """The full tensor from every rank's shard, outside any graph (saving, comparing)."""
+    return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape).clone()
+
+
+COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
                add_previous_ranks_totals)
 
 

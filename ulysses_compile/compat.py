@@ -1,6 +1,7 @@
 """The one place that imports private torch APIs, so a torch upgrade breaks in one file."""
 
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -31,6 +32,7 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "detect_fake_mode",
+    "min_cut_rematerialization_partition",
     "statically_known_true",
     "sympy_interp",
 ]

@@ -22,6 +22,7 @@ from .passes.localize_ops import localize_ops
 from .passes.propagate_sharding import propagate_sharding
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
+from .passes.regather_parameters import regather_parameters
 from .report import Collective
 
 log = logging.getLogger("ulysses_compile")
@@ -33,14 +34,15 @@ PASSES = (
     propagate_sharding,
     redistribute,
     average_data_parallel_grads,
+    regather_parameters,
     insert_all_to_all,
     localize_ops,
     check_local_shapes,
 )
 
 
-# What a graph that is not split still needs (a data-parallel mesh averages its gradients).
-REPLICATED_PASSES = (average_data_parallel_grads,)
+# What a graph that is not split still needs (a data-parallel mesh averages its gradients; ZeRO-3).
+REPLICATED_PASSES = (average_data_parallel_grads, regather_parameters)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

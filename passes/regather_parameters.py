@@ -1,0 +1,31 @@
+"""ZeRO stage 3: gather each parameter again in the backward instead of keeping it from the forward.
+
+Before (AOTAutograd would save ``weight``, the full parameter, for the backward)::
+
+    weight = gather_parameter(shard, shape=(64, 64), numel=4096, group_name='0', group_size=2,
+                              regather_in_backward=True)
+    linear = torch._C._nn.linear(x, weight)
+
+After: the same graph, the gather tagged ``recompute = MUST_RECOMPUTE``. AOTAutograd copies the tag to
+the all-gather it traces, and its partitioner then re-runs the gather in the backward where the weight
+is needed, so between its uses the full parameter is freed and only the shard stays alive. Stages 1
+and 2 (``regather_in_backward=False``) keep the gathered parameter: less traffic, more memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ulysses_compile.collectives import gather_parameter
+
+_SIGNATURE = inspect.signature(gather_parameter)
+
+
+def regather_parameters(gm: fx.GraphModule, ctx) -> None:
+    for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
+        if _SIGNATURE.bind(*node.args, **node.kwargs).arguments.get("regather_in_backward", False):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
