@@ -45,6 +45,7 @@ __all__ = [
     "gather_objects",
     "gather_parameter",
     "gather_shards",
+    "padded_flat",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -252,18 +253,27 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
     return local_cumsum + gathered[:rank].sum(0)
 
 
+def padded_flat(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` flattened and zero-padded to N equal ZeRO shards (rank r's shard is the r-th chunk)."""
+    numel = x.numel()
+    return torch.nn.functional.pad(x.reshape(-1), (0, -(-numel // group_size) * group_size - numel))
+
+
+def _unshard(shard, shape, numel: int, group_name: str, group_size: int) -> torch.Tensor:
+    return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape)
+
+
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, shape, numel, group_name, group_size):
-        ctx.args = (numel, group_name, group_size)
-        return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape)
+        ctx.args = (group_name, group_size)
+        return _unshard(shard, shape, numel, group_name, group_size)
 
     @staticmethod
     def backward(ctx, grad):
-        numel, group_name, group_size = ctx.args
-        flat = grad.reshape(-1)
-        flat = torch.nn.functional.pad(flat, (0, -(-numel // group_size) * group_size - numel))
-        summed = c10d_functional.reduce_scatter_tensor(flat.contiguous(), "sum", group_size, group_name)
+        group_name, group_size = ctx.args
+        flat = padded_flat(grad, group_size).contiguous()
+        summed = c10d_functional.reduce_scatter_tensor(flat, "sum", group_size, group_name)
         return c10d_functional.wait_tensor(summed) / group_size, None, None, None, None
 
 
@@ -280,10 +290,11 @@ def gather_parameter(shard, shape: tuple[int, ...], numel: int, group_name: str,
 
 def gather_shards(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int) -> torch.Tensor:
     """The full tensor from every rank's shard, outside any graph (saving, comparing)."""
-    return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape).clone()
+    return _unshard(shard, shape, numel, group_name, group_size).clone()
 
 
-COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq, gather_kv_heads,
+COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq,
+               gather_kv_heads,
                add_previous_ranks_totals)
 
 

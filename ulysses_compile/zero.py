@@ -27,7 +27,7 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .collectives import gather_parameter, gather_shards
+from .collectives import gather_parameter, gather_shards, padded_flat
 from .errors import OptionsError, UlyssesError
 from .options import Options
 
@@ -49,9 +49,7 @@ class _GatheredParameter(nn.Module):
                                 self.regather_in_backward)
 
     def right_inverse(self, full: torch.Tensor) -> torch.Tensor:
-        chunk = -(-self.numel // self.group_size)
-        flat = torch.nn.functional.pad(full.detach().reshape(-1), (0, chunk * self.group_size - self.numel))
-        return flat.narrow(0, chunk * self.rank, chunk).clone()
+        return padded_flat(full.detach(), self.group_size).chunk(self.group_size)[self.rank].clone()
 
 
 def parallelize(model: nn.Module, zero_stage: int = 3, *, group=None, mesh=None, options: dict | None = None):

@@ -116,7 +116,8 @@ def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: in
 def _localize_dropout(node, sharding, ctx) -> None:
     args = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True})
     node.target = dropout_block
-    node.args = (args["input"], args["p"], args["training"], size_arg(node.graph, tuple(sharding.global_value.shape), before=node),
+    shape = size_arg(node.graph, tuple(sharding.global_value.shape), before=node)
+    node.args = (args["input"], args["p"], args["training"], shape,
                  *seq_factors(sharding.output), ctx.rank, ctx.world_size)
     node.kwargs = {}
 

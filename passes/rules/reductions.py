@@ -41,9 +41,10 @@ def _mean_as_partial_sum(node: fx.Node, sharding, ctx) -> None:
     global_value = source.meta[PLACEMENT_KEY].global_value
     count = math.prod(global_value.shape[d] for d in _reduced_dims(node, global_value, MEAN_PARAMS))
     node.target = "sum" if node.op == "call_method" else torch.sum
-    with node.graph.inserting_after(node):
-        scaled = node.graph.call_function(operator.truediv, (node, node))
-    scaled.args = (node, size_arg(node.graph, count, before=scaled))
+    anchor = node.next
+    count = size_arg(node.graph, count, before=anchor)
+    with node.graph.inserting_before(anchor):
+        scaled = node.graph.call_function(operator.truediv, (node, count))
     node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
