@@ -1,76 +1,120 @@
-"""Per-rank bytes of parameters, gradients and AdamW state under ``parallelize`` at each ZeRO stage,
-against one device holding everything, after one training step on P CPU ranks.
+"""Per-rank memory under ``parallelize`` at each ZeRO stage, against one device, on P CPU ranks.
 
     python examples/zero_memory.py                  # P = 2
-    python examples/zero_memory.py --world-size 4
+    python examples/zero_memory.py --world-size 4 --seq-len 4096
 
-The bytes are counted from the tensors each rank holds (``model.parameters()``, their ``.grad`` and the
-optimizer's state), so they are exact; the ideal at every stage here is 1/P, because every stage
-stores shards (stage 3 differs in re-gathering parameters in the backward, which shows in activation
-memory, not here).
+For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers) and one global batch, each rank
+reports, after a training step with AdamW:
+
+- the bytes of parameters, gradients and AdamW state it holds, counted from the tensors
+  (``model.parameters()``, their ``.grad``, the optimizer's state): exact; the ideal at stages 1-3 is 1/P;
+- the peak memory of one step (forward, backward, optimizer step; after a warm-up step that compiles):
+  the process's peak resident memory above its resident memory when the step starts (Linux
+  ``VmHWM``, reset through ``/proc/self/clear_refs``). glibc's allocator is told to return every
+  block over 64 KiB at once (``MALLOC_MMAP_THRESHOLD_``), so freed tensors do not linger in it.
+
+"1 device" is the same step compiled for one rank (a group of one, which the backend compiles as its
+inner compiler would). Every row shows the largest figure over the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each spawned rank's allocator
 
-from demo import batch, build_model
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def build_model(seq_len: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batch(seq_len: int) -> dict:
+    ids = torch.randint(0, 8192, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def held_bytes(model, optimizer) -> tuple[int, int, int]:
+def _resident_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1))
+
+
+def measured_step(model, optimizer, inputs) -> int:
+    """Peak resident bytes of one training step above the resident bytes at its start."""
+    optimizer.zero_grad()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak (VmHWM) restarts from the current resident size
+    start = _resident_kib("VmRSS")
+    model(**inputs).loss.backward()
+    optimizer.step()
+    return (_resident_kib("VmHWM") - start) * 1024
+
+
+def figures(model, seq_len: int) -> tuple[int, int, int, int]:
+    inputs = batch(seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**inputs).loss.backward()  # compiles; creates the gradients and the optimizer state
+    optimizer.step()
+    peak = measured_step(model, optimizer, inputs)
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
-    return _bytes(params), _bytes(p.grad for p in params), _bytes(state)
+    return _bytes(params), _bytes(p.grad for p in params), _bytes(state), peak
 
 
-def one_step(model, seq_len: int):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(**batch(0, seq_len)).loss.backward()
-    optimizer.step()
-    return held_bytes(model, optimizer)
-
-
-def run(rank: int, world_size: int, port: int, seq_len: int) -> None:
+def run(rank: int, world_size: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     import ulysses_compile
+    from ulysses_compile.collectives import gather_objects
 
-    single = one_step(build_model(), seq_len)
-    rows = []
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    rows = {"1 device": figures(ulysses_compile.parallelize(build_model(args.seq_len), zero_stage=0, group=alone,
+                                                            compiler=args.compiler), args.seq_len)}
     for stage in (0, 1, 2, 3):
-        model = ulysses_compile.parallelize(build_model(), zero_stage=stage, options={"compiler": "aot_eager"})
-        rows.append((stage, one_step(model, seq_len)))
+        model = ulysses_compile.parallelize(build_model(args.seq_len), zero_stage=stage, compiler=args.compiler)
+        rows[f"stage {stage}"] = figures(model, args.seq_len)
+    every_rank = gather_objects(rows, dist.group.WORLD)
     if rank == 0:
-        print(f"P = {world_size}, S = {seq_len}; bytes held by rank 0 after one AdamW step "
-              f"(ratio to one device; ideal 1/P = {1 / world_size:.3f})")
-        print(f"{'stage':>5} {'parameters':>20} {'gradients':>20} {'AdamW state':>20}")
-        print(f"{'1 dev':>5} " + " ".join(f"{held:>20,}" for held in single))
-        for stage, held in rows:
-            print(f"{stage:>5} " + " ".join(f"{h:>11,} ({h / s:.3f})" for h, s in zip(held, single)))
+        worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
+        single = worst["1 device"]
+        print(f"P = {world_size}, S = {args.seq_len}, compiler {args.compiler}: the most any rank holds "
+              f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
+              f"{1 / world_size:.3f})")
+        print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
+                                                                  "step peak")))
+        for name, values in worst.items():
+            print(f"{name:>9}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
+                                         for value, one in zip(values, single)))
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager"))
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(run, args=(args.world_size, port, args.seq_len), nprocs=args.world_size,
-                       start_method="spawn")
+    mp.start_processes(run, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
 
 
 if __name__ == "__main__":

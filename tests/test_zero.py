@@ -1,5 +1,6 @@
-"""ZeRO-partitioned parameters with sequence parallelism: AdamW training against single-device eager,
-step by step, and the errors for bad use."""
+"""ZeRO-partitioned parameters (``parallelize``): training against single-device eager step by step at
+every stage, with and without sequence parallelism over the same ranks, on a data x sequence mesh;
+sharded checkpoints; mixed precision; the gathers in the graphs; the errors for bad use."""
 
 from __future__ import annotations
 
@@ -10,86 +11,191 @@ import torch
 
 from models import tiny_gpt2, tiny_llama, token_batch
 from multirank import assert_close, run_ranks
-from ulysses_compile import OptionsError, UlyssesError, full_state_dict, parallelize
+from ulysses_compile import (
+    OptionsError,
+    UlyssesError,
+    full_state_dict,
+    load_sharded_state_dict,
+    parallelize,
+    sharded_state_dict,
+)
 
 
-def _train_against_eager(rank, model, stage, optimizer_class=torch.optim.AdamW, steps=3, **parallel):
+def _step(model, optimizer, batches, replica: int = 0):
+    """One training step on this replica's batch; eager models (``replica=None``) average every batch's
+    loss, as DDP averages the replicas' gradients."""
+    optimizer.zero_grad()
+    losses = [model(input_ids=ids, labels=labels, use_cache=False).loss
+              for ids, labels in (batches if replica is None else [batches[replica]])]
+    (sum(losses) / len(losses)).backward()
+    optimizer.step()
+    return losses if replica is None else losses[0]
+
+
+def _train_against_eager(rank, world_size, model, stage, data_parallel=1, optimizer_class=torch.optim.AdamW,
+                         steps=3):
+    """``steps`` steps of ``model`` parallelized at ``stage`` on a (data_parallel, P / data_parallel)
+    mesh (the default group when 1) against eager training with DDP's averaging of the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     reference = copy.deepcopy(model)
-    total = sum(p.numel() for p in model.parameters())
-    compiled = parallelize(model, zero_stage=stage, options={"compiler": "aot_eager"}, **parallel)
-    held = sum(p.numel() for p in compiled.parameters())
+    where = f"rank {rank} P={world_size} stage {stage} dp={data_parallel}"
+    mesh = None
+    if data_parallel > 1:
+        mesh = init_device_mesh("cpu", (data_parallel, world_size // data_parallel), mesh_dim_names=("dp", "sp"))
+    compiled = parallelize(model, zero_stage=stage, mesh=mesh, compiler="aot_eager")
+    replica = 0 if mesh is None else mesh.get_local_rank("dp")
     optimizer = optimizer_class(compiled.parameters(), lr=1e-2)
     reference_optimizer = optimizer_class(reference.parameters(), lr=1e-2)
     for step in range(steps):
-        ids, labels = token_batch(seq=32, seed=step + 1)
-        for net, opt in ((compiled, optimizer), (reference, reference_optimizer)):
-            opt.zero_grad()
-            loss = net(input_ids=ids, labels=labels, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            if net is compiled:
-                got = loss
-        assert_close(f"rank {rank} stage {stage} step {step} loss", got, loss)
+        batches = [token_batch(seq=32, seed=10 * step + seed) for seed in range(1, data_parallel + 1)]
+        loss = _step(compiled, optimizer, batches, replica)
+        eager_losses = _step(reference, reference_optimizer, batches, replica=None)
+        assert_close(f"{where} step {step} loss", loss, eager_losses[replica])
     full = full_state_dict(compiled)
     want = reference.state_dict()
     assert sorted(full) == sorted(want)
     for name, tensor in want.items():
-        assert_close(f"rank {rank} stage {stage} {name} after {steps} steps", full[name], tensor)
-    return held, total
+        assert_close(f"{where} {name} after {steps} steps", full[name], tensor)
+    held = sum(p.numel() for p in compiled.parameters())
+    total = sum(p.numel() for p in reference.parameters())
+    assert held <= total // world_size + world_size * len(list(compiled.parameters()))  # padded shards
 
 
 def zero_stages_train_like_eager(rank, world_size):
-    for stage in (1, 3):
-        held, total = _train_against_eager(rank, tiny_llama(layers=1), stage)
-        assert held <= total // world_size + 64  # one padded shard per parameter
+    """Every stage with sequence parallelism over all ranks, and (stage 3) with data parallelism alone
+    over the same ranks; at 4 ranks also stage 1 with data parallelism alone and a 2 x 2 mesh."""
+    for stage in (1, 2, 3):
+        _train_against_eager(rank, world_size, tiny_llama(layers=1), stage)
+    _train_against_eager(rank, world_size, tiny_llama(layers=1), 3, data_parallel=world_size)
+    if world_size == 4:
+        _train_against_eager(rank, world_size, tiny_llama(layers=1), 1, data_parallel=4)
+        _train_against_eager(rank, world_size, tiny_llama(layers=1), 3, data_parallel=2)
+
+
+def zero_at_two_ranks(rank, world_size, checkpoint_dir):
+    zero_stages_train_like_eager(rank, world_size)
     # Tied embedding and lm_head. SGD: GPT-2's key bias has a zero gradient (softmax ignores it), and
     # Adam divides its rounding noise by its own size, so parameters after Adam steps would compare noise.
-    _train_against_eager(rank, tiny_gpt2(layers=1), 2, torch.optim.SGD)
+    _train_against_eager(rank, world_size, tiny_gpt2(layers=1), 2, optimizer_class=torch.optim.SGD)
+    checkpoint_resumes_training_exactly(rank, world_size, checkpoint_dir)
+    bf16_parameters_match_eager_autocast(rank, world_size)
 
 
 @pytest.mark.multirank
-def test_zero_stages_with_sequence_parallelism_train_like_eager():
-    run_ranks(zero_stages_train_like_eager, 2)
+def test_zero_at_two_ranks(tmp_path):
+    """Stages 1-3 with and without sequence parallelism, tied weights, a sharded checkpoint, mixed
+    precision: one spawn of 2 ranks (the suite's time)."""
+    run_ranks(zero_at_two_ranks, 2, str(tmp_path))
 
 
 def zero_on_a_data_by_sequence_mesh(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
-    replica = mesh.get_local_rank("dp")
-    model = tiny_llama(layers=1)
-    reference = copy.deepcopy(model)
-    compiled = parallelize(model, zero_stage=3, mesh=mesh, options={"compiler": "aot_eager"})
-    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(3):
-        batches = [token_batch(seq=32, seed=10 * step + seed) for seed in (1, 2)]  # one per replica
-        optimizer.zero_grad()
-        ids, labels = batches[replica]
-        loss = compiled(input_ids=ids, labels=labels, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        eager_losses = [reference(input_ids=i, labels=l, use_cache=False).loss for i, l in batches]
-        (sum(eager_losses) / 2).backward()  # DDP: the replicas' gradients averaged
-        reference_optimizer.step()
-        assert_close(f"rank {rank} replica loss step {step}", loss, eager_losses[replica])
-    full = full_state_dict(compiled)
-    for name, tensor in reference.state_dict().items():
-        assert_close(f"rank {rank} {name} after 3 steps on the mesh", full[name], tensor)
-
-
-def data_by_sequence_mesh_with_and_without_zero(rank, world_size):
     from test_sequences import data_times_sequence_mesh
 
     data_times_sequence_mesh(rank, world_size)
-    zero_on_a_data_by_sequence_mesh(rank, world_size)
+    zero_stages_train_like_eager(rank, world_size)
 
 
 @pytest.mark.multirank
-def test_data_by_sequence_mesh_with_and_without_zero_trains_like_ddp():
-    """One spawn of 4 ranks for both (the suite's time): plain ulysses on the mesh, then ZeRO-3 on it."""
-    run_ranks(data_by_sequence_mesh_with_and_without_zero, 4)
+def test_zero_at_four_ranks_and_on_a_data_by_sequence_mesh():
+    """One spawn of 4 ranks: plain ulysses on a 2 x 2 mesh, then the ZeRO stages."""
+    run_ranks(zero_on_a_data_by_sequence_mesh, 4)
+
+
+def checkpoint_resumes_training_exactly(rank, world_size, checkpoint_dir):
+    """Save with torch.distributed.checkpoint after one step, train two more; a model built from other
+    initial values and an optimizer with another learning rate, loaded from the checkpoint, train those
+    two steps to the same bits. The checkpoint holds every parameter whole, each rank writing its part."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    batches = [[token_batch(seq=32, seed=seed)] for seed in (1, 2, 3)]
+    model = parallelize(tiny_llama(layers=1), zero_stage=3, compiler="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, batches[0])
+    saved_state = full_state_dict(model)
+    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=checkpoint_dir)
+    losses = [_step(model, optimizer, batch) for batch in batches[1:]]
+
+    resumed = parallelize(tiny_llama(layers=1, seed=7), zero_stage=3, compiler="aot_eager")
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=5e-2)
+    state = sharded_state_dict(resumed, resumed_optimizer)
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    load_sharded_state_dict(resumed, state, resumed_optimizer)
+    assert resumed_optimizer.param_groups[0]["lr"] == 1e-2
+    resumed_losses = [_step(resumed, resumed_optimizer, batch) for batch in batches[1:]]
+    assert [loss.item() for loss in resumed_losses] == [loss.item() for loss in losses]
+    final, resumed_final = full_state_dict(model), full_state_dict(resumed)
+    for name, tensor in final.items():
+        assert torch.equal(resumed_final[name], tensor), f"rank {rank}: {name} differs after resuming"
+
+    if rank == 0:
+        whole = f"{checkpoint_dir}.pt"
+        dcp_to_torch_save(checkpoint_dir, whole)
+        on_disk = torch.load(whole)
+        for name, tensor in saved_state.items():
+            assert torch.equal(on_disk["model"][name].view(tensor.shape), tensor), name
+    dist.barrier()
+
+
+def _full_gradients(model) -> dict[str, torch.Tensor]:
+    from ulysses_compile.collectives import gather_shards
+    from ulysses_compile.zero import _named_state
+
+    return {name: gather_shards(shard.grad, gather.shape, gather.numel, gather.group_name, gather.group_size)
+            for name, shard, gather in _named_state(model) if gather is not None}
+
+
+def bf16_parameters_match_eager_autocast(rank, world_size):
+    """Shards in fp32, gathered and computed in bf16, gradients reduced in fp32: loss and every
+    gradient against eager under bf16 autocast, within bf16 tolerances; fp32 shards and gradients."""
+    model = tiny_llama(layers=1)
+    reference = copy.deepcopy(model)
+    compiled = parallelize(model, zero_stage=3, compiler="aot_eager", param_dtype=torch.bfloat16,
+                           reduce_dtype=torch.float32)
+    ids, labels = token_batch(seq=32)
+    loss = compiled(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_loss = reference(input_ids=ids, labels=labels, use_cache=False).loss
+    eager_loss.backward()
+    assert loss.dtype == eager_loss.dtype == torch.float32
+    assert_close(f"rank {rank} bf16 loss", loss, eager_loss, rtol=BF16_RTOL)
+    grads = _full_gradients(compiled)
+    assert all(shard.dtype == shard.grad.dtype == torch.float32 for shard in compiled.parameters())
+    for name, param in reference.named_parameters():
+        assert_close(f"rank {rank} bf16 grad {name}", grads[name], param.grad, rtol=BF16_RTOL)
+
+
+BF16_RTOL = 3e-2  # measured: 1.2e-2 at most (bf16 keeps 8 significant bits; roundings add up)
+
+
+def _graphs(stage: int, **precision) -> tuple:
+    """The forward and backward graphs AOTAutograd makes of a parallelized Llama (one process)."""
+    from test_structure import rewritten_graphs
+    from ulysses_compile.compat import aot_autograd, min_cut_rematerialization_partition
+
+    model = tiny_llama(layers=1)
+    ids, labels = token_batch(seq=32)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    (gm,) = rewritten_graphs(parallelize(model, zero_stage=stage, **precision)._orig_mod, (), kwargs)
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    torch._dynamo.reset()
+    partitioned = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    torch.compile(model, backend=lambda graph, inputs: partitioned(gm, inputs))(**kwargs).loss.backward()
+    return tuple(graphs)
+
+
+def _collective_dtypes(graph, op) -> list[torch.dtype]:
+    """The dtypes of the flat (ZeRO) tensors that ``op`` calls in ``graph`` communicate."""
+    inputs = [node.args[0].meta["val"] for node in graph.graph.find_nodes(op="call_function", target=op)]
+    return [value.dtype for value in inputs if value.dim() == 1]
 
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
@@ -107,40 +213,36 @@ def test_parameters_are_gathered_inside_the_graph(fake_group):
     assert len(calls(gm, gather_parameter)) == 12 and len(calls(gm, seq_to_heads)) == 3
 
 
-def _gathers_in_backward(stage: int) -> int:
-    """All-gathers AOTAutograd puts in the backward graph of a parallelized Llama (one process)."""
-    from test_structure import rewritten_graphs
-    from ulysses_compile.compat import aot_autograd, min_cut_rematerialization_partition
-
-    model = tiny_llama(layers=1)
-    ids, labels = token_batch(seq=32)
-    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
-    (gm,) = rewritten_graphs(parallelize(model, zero_stage=stage)._orig_mod, (), kwargs)
-    backward = []
-
-    def keep_backward(graph, example_inputs):
-        backward.append(graph)
-        return graph
-
-    torch._dynamo.reset()
-    partitioned = aot_autograd(fw_compiler=lambda graph, inputs: graph, bw_compiler=keep_backward,
-                               partition_fn=min_cut_rematerialization_partition)
-    torch.compile(model, backend=lambda graph, inputs: partitioned(gm, inputs))(**kwargs).loss.backward()
-    (graph,) = backward
-    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
-    return len(graph.graph.find_nodes(op="call_function", target=gather))
-
-
 def test_stage_three_gathers_parameters_again_in_backward(fake_group):
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     fake_group(2)
-    assert _gathers_in_backward(1) == 0
-    assert _gathers_in_backward(3) == 11  # every parameter but the embedding, whose backward needs only the ids
+    assert len(_collective_dtypes(_graphs(1)[1], gather)) == 0
+    # every parameter but the embedding, whose backward needs only the ids
+    assert len(_collective_dtypes(_graphs(3)[1], gather)) == 11
+
+
+def test_mixed_precision_gathers_in_bf16_and_reduces_in_the_chosen_dtype(fake_group):
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    reduce_scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    fake_group(2)
+    forward, backward = _graphs(3, param_dtype=torch.bfloat16)
+    assert _collective_dtypes(forward, gather) == [torch.bfloat16] * 12
+    assert set(_collective_dtypes(backward, gather)) == {torch.bfloat16}
+    assert _collective_dtypes(backward, reduce_scatter) == [torch.bfloat16] * 12  # reduce_dtype defaults to it
+    _, backward = _graphs(3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert _collective_dtypes(backward, reduce_scatter) == [torch.float32] * 12
 
 
 def test_bad_zero_use_gets_clear_errors(fake_group):
     fake_group(2)
     with pytest.raises(OptionsError, match="zero_stage=4"):
         parallelize(tiny_llama(layers=1), zero_stage=4)
+    with pytest.raises(OptionsError, match="param_dtype=torch.int8: expected a floating"):
+        parallelize(tiny_llama(layers=1), zero_stage=3, param_dtype=torch.int8)
+    with pytest.raises(OptionsError, match="zero_stage=0.*use zero_stage 1-3 on several ranks, or torch.autocast"):
+        parallelize(tiny_llama(layers=1), zero_stage=0, param_dtype=torch.bfloat16)
+    with pytest.raises(OptionsError, match="unknown ulysses option"):
+        parallelize(tiny_llama(layers=1), zero_stage=3, compilr="eager")
     model = tiny_llama(layers=1)
     early = torch.optim.AdamW(model.parameters())
     parallelize(model, zero_stage=3)

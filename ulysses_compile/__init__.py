@@ -13,7 +13,7 @@ from .errors import (
     VerificationError,
 )
 from .options import Options
-from .zero import full_state_dict, parallelize
+from .zero import full_state_dict, load_sharded_state_dict, parallelize, sharded_state_dict
 
 register_torch_log("ulysses_compile")
 
@@ -27,6 +27,8 @@ __all__ = [
     "UnsupportedError",
     "VerificationError",
     "full_state_dict",
+    "load_sharded_state_dict",
     "parallelize",
+    "sharded_state_dict",
     "ulysses",
 ]

@@ -21,7 +21,8 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     """``torch.compile(model, backend="ulysses", options={...})`` lands here once per captured graph."""
     opts = Options.parse(options)
     group = opts.process_group()
-    if group is None or group.size() == 1:
+    data_parallel = _data_parallel(opts)
+    if group is None or (group.size() == 1 and data_parallel is None):
         log.info(
             "ulysses_compile: %s; compiling with %s as torch.compile would",
             "torch.distributed is not initialized" if group is None else "the process group has 1 rank",
@@ -37,7 +38,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         options=opts,
         example_inputs=list(example_inputs),
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
-        data_parallel=_data_parallel(opts),
+        data_parallel=data_parallel,
     )
     run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = ctx.report

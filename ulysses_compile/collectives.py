@@ -265,27 +265,31 @@ def _unshard(shard, shape, numel: int, group_name: str, group_size: int) -> torc
 
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, shape, numel, group_name, group_size):
-        ctx.args = (group_name, group_size)
-        return _unshard(shard, shape, numel, group_name, group_size)
+    def forward(ctx, shard, shape, numel, group_name, group_size, param_dtype, reduce_dtype):
+        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype)
+        return _unshard(shard.to(param_dtype or shard.dtype), shape, numel, group_name, group_size)
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, group_size = ctx.args
-        flat = padded_flat(grad, group_size).contiguous()
+        group_name, group_size, shard_dtype, reduce_dtype = ctx.args
+        flat = padded_flat(grad.to(reduce_dtype or grad.dtype), group_size).contiguous()
         summed = c10d_functional.reduce_scatter_tensor(flat, "sum", group_size, group_name)
-        return c10d_functional.wait_tensor(summed) / group_size, None, None, None, None
+        shard_grad = (c10d_functional.wait_tensor(summed) / group_size).to(shard_dtype)
+        return shard_grad, None, None, None, None, None, None
 
 
 @torch.compiler.allow_in_graph
 def gather_parameter(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int,
-                     regather_in_backward: bool = False):
-    """A ZeRO shard (this rank's flat 1/N of the padded parameter) -> the full parameter of ``shape``.
-    Backward: the gradient reduce-scattered into the shards and divided by N. Every rank's gradient of
-    the full parameter is the same whole gradient (``sync_grad`` summed the sequence ranks' shares), so
-    the division leaves one copy per data-parallel replica, averaged as DDP does.
+                     regather_in_backward: bool = False, param_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None):
+    """A ZeRO shard (this rank's flat 1/N of the padded parameter) -> the full parameter of ``shape``,
+    cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
+    Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by N and
+    cast to the shard's dtype. Every rank's gradient of the full parameter is the same whole gradient
+    (``sync_grad`` summed the sequence ranks' shares), so the division leaves one copy per
+    data-parallel replica, averaged as DDP does.
     ``regather_in_backward`` (ZeRO stage 3) is read by passes/regather_parameters.py."""
-    return _GatherParameter.apply(shard, shape, numel, group_name, group_size)
+    return _GatherParameter.apply(shard, shape, numel, group_name, group_size, param_dtype, reduce_dtype)
 
 
 def gather_shards(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int) -> torch.Tensor:

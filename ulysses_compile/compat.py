@@ -10,6 +10,7 @@ from torch.distributed._functional_collectives import (
     all_reduce,
     all_to_all_single,
 )
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -25,6 +26,7 @@ __all__ = [
     "GraphAppendingTracer",
     "PythonReferenceAnalysis",
     "_get_group_size_by_name",
+    "_init_optim_state",
     "_resolve_process_group",
     "all_gather_tensor",
     "all_reduce",

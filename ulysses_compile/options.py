@@ -16,7 +16,7 @@ OUTPUT_MODES = ("gather", "local")
 @dataclass(frozen=True)
 class Options:
     group: Any = None  # a ProcessGroup; None means the default group
-    mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp"
+    mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp" (an "sp" of 1: DP only)
     outputs: str = "gather"  # "gather": sequence-sharded outputs are all-gathered; "local": kept sharded
     compiler: str = "inductor"
     verify: bool = False  # compare each graph's first call against eager execution
@@ -60,11 +60,6 @@ class Options:
                 raise OptionsError(
                     f"option mesh has dims {names}; expected ('sp',) or ('dp', 'sp'), e.g. "
                     f"init_device_mesh('cpu', (D, P), mesh_dim_names=('dp', 'sp'))"
-                )
-            if "dp" in names and self.mesh.size(names.index("sp")) == 1:
-                raise OptionsError(
-                    "option mesh has an 'sp' dim of size 1: there is no sequence to split; for data "
-                    "parallelism alone use DistributedDataParallel, or give 'sp' more ranks"
                 )
 
     def data_parallel_group(self):

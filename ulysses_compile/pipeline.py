@@ -46,17 +46,24 @@ REPLICATED_PASSES = (average_data_parallel_grads, regather_parameters)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for graph_pass in PASSES:
+    if ctx.world_size == 1:
+        ctx.report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
+        _run_replicated(gm, ctx)
+    for graph_pass in PASSES if ctx.world_size > 1 else ():
         _run(graph_pass, gm, ctx)
         if graph_pass is detect_attention and _runs_replicated(ctx):
-            log.info("ulysses_compile: %s; it runs replicated on every rank", ctx.report.replicated)
-            for replicated_pass in REPLICATED_PASSES:
-                _run(replicated_pass, gm, ctx)
+            _run_replicated(gm, ctx)
             break
     _record_collectives(gm, ctx)
     for fallback in ctx.report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)
     return gm
+
+
+def _run_replicated(gm: fx.GraphModule, ctx: PassContext) -> None:
+    log.info("ulysses_compile: %s; it runs replicated on every rank", ctx.report.replicated)
+    for replicated_pass in REPLICATED_PASSES:
+        _run(replicated_pass, gm, ctx)
 
 
 def _run(graph_pass, gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -85,7 +92,8 @@ def _runs_replicated(ctx: PassContext) -> bool:
 def _record_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in COLLECTIVES:
-            value = node.args[0].meta.get("val")
+            meta = node.args[0].meta  # a replicated graph has Dynamo's example values only
+            value = meta.get("val", meta.get("example_value"))
             ctx.report.collectives.append(
                 Collective(node.target.__name__, node.name, tuple(value.shape), str(value.dtype))
             )
