@@ -14,6 +14,7 @@ from multirank import assert_close, run_ranks
 from ulysses_compile import (
     OptionsError,
     UlyssesError,
+    UnsupportedError,
     full_state_dict,
     load_sharded_state_dict,
     parallelize,
@@ -59,64 +60,75 @@ def _train_against_eager(rank, world_size, model, stage, data_parallel=1, optimi
         assert_close(f"{where} {name} after {steps} steps", full[name], tensor)
     held = sum(p.numel() for p in compiled.parameters())
     total = sum(p.numel() for p in reference.parameters())
-    assert held <= total // world_size + world_size * len(list(compiled.parameters()))  # padded shards
+    if stage == 0:
+        assert held == total
+    else:
+        assert held <= total // world_size + world_size * len(list(compiled.parameters()))  # padded shards
 
 
 def zero_stages_train_like_eager(rank, world_size):
-    """Every stage with sequence parallelism over all ranks, and (stage 3) with data parallelism alone
-    over the same ranks; at 4 ranks also stage 1 with data parallelism alone and a 2 x 2 mesh."""
+    """Every stage with sequence parallelism over all ranks, and (stage 3, a frozen embedding) with data
+    parallelism alone over the same ranks; at 4 ranks also stage 1 with data parallelism alone and a
+    2 x 2 mesh."""
     for stage in (1, 2, 3):
         _train_against_eager(rank, world_size, tiny_llama(layers=1), stage)
-    _train_against_eager(rank, world_size, tiny_llama(layers=1), 3, data_parallel=world_size)
+    frozen = tiny_llama(layers=1)
+    frozen.model.embed_tokens.weight.requires_grad_(False)
+    _train_against_eager(rank, world_size, frozen, 3, data_parallel=world_size)
     if world_size == 4:
         _train_against_eager(rank, world_size, tiny_llama(layers=1), 1, data_parallel=4)
         _train_against_eager(rank, world_size, tiny_llama(layers=1), 3, data_parallel=2)
 
 
-def zero_at_two_ranks(rank, world_size, checkpoint_dir):
+def zero_at_two_ranks(rank, world_size, folder):
     zero_stages_train_like_eager(rank, world_size)
     # Tied embedding and lm_head. SGD: GPT-2's key bias has a zero gradient (softmax ignores it), and
     # Adam divides its rounding noise by its own size, so parameters after Adam steps would compare noise.
     _train_against_eager(rank, world_size, tiny_gpt2(layers=1), 2, optimizer_class=torch.optim.SGD)
-    checkpoint_resumes_training_exactly(rank, world_size, checkpoint_dir)
+    # Stage 0 with data parallelism alone: no shards, gradients averaged by the average_grad pass.
+    _train_against_eager(rank, world_size, tiny_llama(layers=1), 0, data_parallel=world_size)
+    checkpoint_resumes_training_exactly(rank, world_size, folder)
     bf16_parameters_match_eager_autocast(rank, world_size)
 
 
 @pytest.mark.multirank
 def test_zero_at_two_ranks(tmp_path):
-    """Stages 1-3 with and without sequence parallelism, tied weights, a sharded checkpoint, mixed
+    """Stages 0-3 with and without sequence parallelism, tied weights, a sharded checkpoint, mixed
     precision: one spawn of 2 ranks (the suite's time)."""
     run_ranks(zero_at_two_ranks, 2, str(tmp_path))
 
 
-def zero_on_a_data_by_sequence_mesh(rank, world_size):
+def zero_at_four_ranks(rank, world_size, folder):
     from test_sequences import data_times_sequence_mesh
 
     data_times_sequence_mesh(rank, world_size)
     zero_stages_train_like_eager(rank, world_size)
+    checkpoint_loads_at_other_world_sizes(rank, world_size, folder)
 
 
 @pytest.mark.multirank
-def test_zero_at_four_ranks_and_on_a_data_by_sequence_mesh():
-    """One spawn of 4 ranks: plain ulysses on a 2 x 2 mesh, then the ZeRO stages."""
-    run_ranks(zero_on_a_data_by_sequence_mesh, 4)
+def test_zero_at_four_ranks(tmp_path):
+    """One spawn of 4 ranks: plain ulysses on a 2 x 2 mesh, the ZeRO stages, a checkpoint resharded."""
+    run_ranks(zero_at_four_ranks, 4, str(tmp_path))
 
 
-def checkpoint_resumes_training_exactly(rank, world_size, checkpoint_dir):
-    """Save with torch.distributed.checkpoint after one step, train two more; a model built from other
+def checkpoint_resumes_training_exactly(rank, world_size, folder):
+    """Save with torch.distributed.checkpoint after two steps, train two more; a model built from other
     initial values and an optimizer with another learning rate, loaded from the checkpoint, train those
     two steps to the same bits. The checkpoint holds every parameter whole, each rank writing its part."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    batches = [[token_batch(seq=32, seed=seed)] for seed in (1, 2, 3)]
+    checkpoint_dir = f"{folder}/llama"
+    batches = [[token_batch(seq=32, seed=seed)] for seed in (1, 2, 3, 4)]
     model = parallelize(tiny_llama(layers=1), zero_stage=3, compiler="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _step(model, optimizer, batches[0])
+    for batch in batches[:2]:
+        _step(model, optimizer, batch)
     saved_state = full_state_dict(model)
     dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=checkpoint_dir)
-    losses = [_step(model, optimizer, batch) for batch in batches[1:]]
+    losses = [_step(model, optimizer, batch) for batch in batches[2:]]
 
     resumed = parallelize(tiny_llama(layers=1, seed=7), zero_stage=3, compiler="aot_eager")
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=5e-2)
@@ -124,18 +136,62 @@ def checkpoint_resumes_training_exactly(rank, world_size, checkpoint_dir):
     dcp.load(state, checkpoint_id=checkpoint_dir)
     load_sharded_state_dict(resumed, state, resumed_optimizer)
     assert resumed_optimizer.param_groups[0]["lr"] == 1e-2
-    resumed_losses = [_step(resumed, resumed_optimizer, batch) for batch in batches[1:]]
+    resumed_losses = [_step(resumed, resumed_optimizer, batch) for batch in batches[2:]]
     assert [loss.item() for loss in resumed_losses] == [loss.item() for loss in losses]
     final, resumed_final = full_state_dict(model), full_state_dict(resumed)
     for name, tensor in final.items():
         assert torch.equal(resumed_final[name], tensor), f"rank {rank}: {name} differs after resuming"
 
     if rank == 0:
-        whole = f"{checkpoint_dir}.pt"
+        whole = f"{folder}/llama.pt"
         dcp_to_torch_save(checkpoint_dir, whole)
         on_disk = torch.load(whole)
         for name, tensor in saved_state.items():
             assert torch.equal(on_disk["model"][name].view(tensor.shape), tensor), name
+    dist.barrier()
+
+
+def checkpoint_loads_at_other_world_sizes(rank, world_size, folder):
+    """A plain-PyTorch classifier saved at 4 ranks loads on 2 ranks (stage 3) and on one (stage 0):
+    every parameter, AdamW's moments and its step count equal what was saved. Its head's 3-element bias
+    is held in blocks of 1, 1, 1 and an empty one at 4 ranks, 2 and 1 at 2 ranks."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from models import MeanPooledClassifier
+    from torch.distributed.tensor import DTensor
+
+    def parallelized(seed, zero_stage, group):
+        torch.manual_seed(seed)
+        model = parallelize(MeanPooledClassifier(classes=3), zero_stage=zero_stage, group=group)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, optimizer, sharded_state_dict(model, optimizer)
+
+    def whole(state):
+        values = {}
+        for name, tensor in state["model"].items():
+            values[name] = tensor
+        for name, moments in state["optimizer"]["state"].items():
+            values.update({f"{name} {key}": value for key, value in moments.items()})
+        return {name: value.full_tensor() if isinstance(value, DTensor) else value.clone()
+                for name, value in values.items()}
+
+    pairs, alone = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)]
+    model, optimizer, state = parallelized(0, 3, None)
+    generator = torch.Generator().manual_seed(rank)
+    for moments in optimizer.state.values():  # distinct values in every element, also in the padding
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments[key].copy_(torch.rand(moments[key].shape, generator=generator))
+        moments["step"].fill_(5)
+    assert model.head.parametrizations.bias.original.numel() == 1
+    saved = whole(state)
+    dcp.save(state, checkpoint_id=f"{folder}/classifier")
+    if rank < 3:
+        group = pairs if rank < 2 else alone[2]
+        zero_stage = 3 if rank < 2 else 0
+        _, _, loaded = parallelized(1, zero_stage, group)
+        dcp.load(loaded, checkpoint_id=f"{folder}/classifier", process_group=group)
+        for name, value in whole(loaded).items():
+            assert torch.equal(value, saved[name]), f"rank {rank}: {name} differs after loading at stage {zero_stage}"
     dist.barrier()
 
 
@@ -162,10 +218,15 @@ def bf16_parameters_match_eager_autocast(rank, world_size):
     eager_loss.backward()
     assert loss.dtype == eager_loss.dtype == torch.float32
     assert_close(f"rank {rank} bf16 loss", loss, eager_loss, rtol=BF16_RTOL)
+
     grads = _full_gradients(compiled)
     assert all(shard.dtype == shard.grad.dtype == torch.float32 for shard in compiled.parameters())
     for name, param in reference.named_parameters():
         assert_close(f"rank {rank} bf16 grad {name}", grads[name], param.grad, rtol=BF16_RTOL)
+    fp32 = tiny_llama(layers=1)  # the same initial values
+    fp32(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    error = max((grads[name] - param.grad).abs().max() / param.grad.abs().max() for name, param in fp32.named_parameters())
+    assert error > 1e-3, f"gradients within {error:.1e} of fp32's: were the parameters not gathered in bf16?"
 
 
 BF16_RTOL = 3e-2  # measured: 1.2e-2 at most (bf16 keeps 8 significant bits; roundings add up)
@@ -233,6 +294,12 @@ def test_mixed_precision_gathers_in_bf16_and_reduces_in_the_chosen_dtype(fake_gr
     assert _collective_dtypes(backward, reduce_scatter) == [torch.float32] * 12
 
 
+def test_mixed_precision_casts_floating_inputs(fake_group):
+    fake_group(2)
+    layer = parallelize(torch.nn.Linear(8, 4), zero_stage=3, param_dtype=torch.bfloat16, compiler="eager")
+    assert layer(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
 def test_bad_zero_use_gets_clear_errors(fake_group):
     fake_group(2)
     with pytest.raises(OptionsError, match="zero_stage=4"):
@@ -243,6 +310,17 @@ def test_bad_zero_use_gets_clear_errors(fake_group):
         parallelize(tiny_llama(layers=1), zero_stage=0, param_dtype=torch.bfloat16)
     with pytest.raises(OptionsError, match="unknown ulysses option"):
         parallelize(tiny_llama(layers=1), zero_stage=3, compilr="eager")
+    normalized = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
+    with pytest.raises(UnsupportedError, match="Linear already has parametrizations .*remove them first"):
+        parallelize(normalized, zero_stage=3)
+    one_layer = parallelize(tiny_llama(layers=1), zero_stage=3)
+    with pytest.raises(UlyssesError, match=r"model: the state holds no unexpected and misses \['model.layers.1"):
+        load_sharded_state_dict(parallelize(tiny_llama(layers=2), zero_stage=3), sharded_state_dict(one_layer))
+    optimizer = torch.optim.SGD(one_layer.parameters(), lr=0.1, momentum=0.9)
+    shard = next(iter(one_layer.parameters()))
+    optimizer.state[shard]["history"] = torch.zeros(3)
+    with pytest.raises(UlyssesError, match="SGD state 'history' of model.embed_tokens.weight has shape \\(3,\\)"):
+        sharded_state_dict(one_layer, optimizer)
     model = tiny_llama(layers=1)
     early = torch.optim.AdamW(model.parameters())
     parallelize(model, zero_stage=3)

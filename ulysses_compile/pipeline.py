@@ -49,11 +49,12 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.world_size == 1:
         ctx.report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
         _run_replicated(gm, ctx)
-    for graph_pass in PASSES if ctx.world_size > 1 else ():
-        _run(graph_pass, gm, ctx)
-        if graph_pass is detect_attention and _runs_replicated(ctx):
-            _run_replicated(gm, ctx)
-            break
+    else:
+        for graph_pass in PASSES:
+            _run(graph_pass, gm, ctx)
+            if graph_pass is detect_attention and _runs_replicated(ctx):
+                _run_replicated(gm, ctx)
+                break
     _record_collectives(gm, ctx)
     for fallback in ctx.report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)

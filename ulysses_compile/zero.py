@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import gather_parameter, gather_shards, padded_flat
 from .compat import _init_optim_state, _resolve_process_group
-from .errors import OptionsError, UlyssesError
+from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -66,14 +66,9 @@ class _GatheredParameter(nn.Module):
     def as_dtensor(self, shard: torch.Tensor) -> DTensor:
         """``shard`` (or optimizer state shaped like it) as its part of the flattened parameter."""
         held = max(0, min(shard.numel(), self.numel - self.rank * shard.numel()))
-        mesh = _mesh(self.group_name, shard.device.type)
+        mesh = DeviceMesh.from_group(_resolve_process_group(self.group_name), shard.device.type)
         return DTensor.from_local(shard.detach()[:held], mesh, [Shard(0)], run_check=False,
                                   shape=(self.numel,), stride=(1,))
-
-
-@functools.cache
-def _mesh(group_name: str, device_type: str) -> DeviceMesh:
-    return DeviceMesh.from_group(_resolve_process_group(group_name), device_type)
 
 
 def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, param_dtype: torch.dtype | None = None,
@@ -108,8 +103,18 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
         )
     if partitioned:
         _partition(model, zero_group, zero_stage == 3, param_dtype, reduce_dtype or param_dtype)
+    if param_dtype is not None:
+        model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
     model._ulysses_zero_stage = zero_stage
     return torch.compile(model, backend="ulysses", options=options)
+
+
+def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
+    """Floating-point inputs in the parameters' compute dtype, as FSDP's mixed precision casts them."""
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tuple(map(cast, args)), {key: cast(value) for key, value in kwargs.items()}
 
 
 def _zero_group(opts: Options):
@@ -123,8 +128,16 @@ def _zero_group(opts: Options):
 def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward: bool, param_dtype, reduce_dtype):
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     originals: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
+    for module_name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            raise UnsupportedError(
+                f"{module_name or type(model).__name__} already has parametrizations "
+                f"({', '.join(module.parametrizations)}); parallelize shards parameters with a parametrization "
+                f"of its own, so remove them first (e.g. torch.nn.utils.parametrize.remove_parametrizations)"
+            )
+        for name, param in module._parameters.items():  # each name, also of a parameter held twice
+            if param is None:
+                continue
             owners.setdefault(id(param), []).append((module, name))
             originals[id(param)] = param
     for key, places in owners.items():
@@ -168,8 +181,9 @@ def _named_state(model: nn.Module):
             yield prefix + name, holder.original, gather
         if isinstance(module, parametrize.ParametrizationList):
             continue
-        for name, param in module.named_parameters(recurse=False):
-            yield prefix + name, param, None
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield prefix + name, param, None
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 yield prefix + name, buffer, None
@@ -192,8 +206,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
     so ``dcp.load`` restores them in place; then call :func:`load_sharded_state_dict` for the rest.
     An optimizer that has not stepped yet gets its state created first (a step with zero gradients
     and learning rate, as ``torch.distributed.checkpoint.state_dict`` does)."""
-    state = {"model": {name: tensor.detach() if gather is None else gather.as_dtensor(tensor)
-                       for name, tensor, gather in _named_state(model)}}
+    state = {"model": {name: _checkpointed(tensor, tensor, gather) for name, tensor, gather in _named_state(model)}}
     if optimizer is not None:
         state["optimizer"] = _optimizer_state(model, optimizer)
     return state
@@ -216,28 +229,38 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
                 )
             name, gather = names[id(param)], gathers[id(param)]
             group_names.append(name)
-            per_param[name] = {
-                key: gather.as_dtensor(value) if gather is not None and _shaped_like(value, param) else value
-                for key, value in optimizer.state.get(param, {}).items()
-            }
+            per_param[name] = {key: _checkpointed(value, param, gather, f"{type(optimizer).__name__} state {key!r} "
+                                                  f"of {name}")
+                               for key, value in optimizer.state.get(param, {}).items()}
         groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": group_names})
     return {"state": per_param, "param_groups": groups}
 
 
-def _shaped_like(value, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == param.shape
+def _checkpointed(value, param: torch.Tensor, gather: _GatheredParameter | None, what: str = ""):
+    """How a parameter, or a value of optimizer state, is checkpointed: a tensor shaped like the parameter
+    flat (a DTensor of its part when sharded), so one checkpoint loads at any number of ranks; a 0-d
+    tensor or any other value as it is (the same on every rank)."""
+    if not isinstance(value, torch.Tensor) or (value.dim() == 0 and param.dim() > 0):
+        return value
+    if value.shape != param.shape:
+        raise UlyssesError(
+            f"{what} has shape {tuple(value.shape)}, neither the parameter's {tuple(param.shape)} nor a "
+            f"scalar, so it cannot be saved by part; sharded checkpoints support optimizers whose "
+            f"state is per element (Adam, AdamW, SGD, ...)"
+        )
+    return value.detach().view(-1) if gather is None else gather.as_dtensor(value)
 
 
 def load_sharded_state_dict(model: nn.Module, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Put ``state`` (from :func:`sharded_state_dict`, filled by ``dcp.load``) into the model and the
     optimizer: tensors copied into the live shards where ``dcp.load`` did not write in place, and the
     optimizer's hyperparameters restored."""
-    live = sharded_state_dict(model, optimizer if "optimizer" in state else None)
+    if optimizer is not None and "optimizer" not in state:
+        raise UlyssesError("the state holds no optimizer state: pass the optimizer to sharded_state_dict too")
+    live = sharded_state_dict(model, optimizer)
     _copy_tensors("model", live["model"], state["model"])
     if optimizer is None:
         return
-    if "optimizer" not in state:
-        raise UlyssesError("the state holds no optimizer state: pass the optimizer to sharded_state_dict too")
     saved = state["optimizer"]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise UlyssesError(f"the state holds {len(saved['param_groups'])} optimizer param groups, the optimizer "
@@ -254,8 +277,8 @@ def load_sharded_state_dict(model: nn.Module, state: dict, optimizer: torch.opti
 
 
 def _copy_tensors(what: str, live: dict, saved: dict, values: dict | None = None) -> None:
-    """Copy ``saved``'s tensors into ``live``'s (views of the model's or optimizer's); other saved values
-    go into ``values``."""
+    """Copy ``saved``'s tensors into ``live``'s (views of the model's or optimizer's; a no-op where
+    ``dcp.load`` wrote in place); other saved values go into ``values``."""
     if sorted(live) != sorted(saved):
         raise UlyssesError(
             f"{what}: the state holds {sorted(set(saved) - set(live)) or 'no'} unexpected and misses "
@@ -266,12 +289,7 @@ def _copy_tensors(what: str, live: dict, saved: dict, values: dict | None = None
             value = saved[name]
             if not isinstance(target, torch.Tensor):
                 values[name] = value
-                continue
-            if type(value) is not type(target) or value.shape != target.shape:
-                raise UlyssesError(f"{what}: {name} is {type(value).__name__} {tuple(getattr(value, 'shape', ()))} "
-                                   f"in the state, {type(target).__name__} {tuple(target.shape)} here; load a "
-                                   f"state saved from the same model")
-            if isinstance(target, DTensor):
-                target, value = target.to_local(), value.to_local()
-            if target.data_ptr() != value.data_ptr():
+            elif isinstance(target, DTensor):
+                target.to_local().copy_(value.to_local())
+            else:
                 target.copy_(value)
