@@ -1,15 +1,27 @@
-"""Run a function on P real gloo ranks (spawned processes) and compare results with eager."""
+"""Run a function on P real gloo ranks and compare results with eager.
+
+The ranks are spawned once per world size and serve every test that asks for that many (importing
+torch and transformers and starting a process group take a 4-rank spawn about 10 s on 2 cores, and the
+suite runs about twenty). A failure, a dead rank or a timeout closes that pool; the next test starts a
+new one.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import socket
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RTOL = 1e-4
+TIMEOUT_S = 900  # one test's work on every rank; beyond it a rank is taken to hang in a collective
+GRACE_S = 10  # after one rank fails, how long the others get to report their own error
 
 
 def free_port() -> int:
@@ -18,20 +30,87 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args):
+def _serve(rank, world_size, port, tasks, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        try:
+            fn(rank, world_size, *args)
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _RankPool:
+    def __init__(self, world_size: int):
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        port = free_port()
+        self.processes = [
+            context.Process(target=_serve, args=(rank, world_size, port, self.tasks[rank], self.results), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn, args) -> None:
+        """Run ``fn(rank, world_size, *args)`` on every rank; raise with every failing rank's traceback."""
+        for tasks in self.tasks:
+            tasks.put((fn, args))
+        errors: dict[int, str] = {}
+        done: set[int] = set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(done) < self.world_size and time.monotonic() < deadline:
+            try:
+                rank, error = self.results.get(timeout=1)
+            except queue.Empty:
+                dead = [f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(self.processes)
+                        if not p.is_alive()]
+                if dead:
+                    errors[-1] = "; ".join(dead)
+                    break
+                continue
+            done.add(rank)
+            if error is not None:
+                errors[rank] = error
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+        if len(done) < self.world_size and not errors:
+            errors[-1] = f"ranks {sorted(set(range(self.world_size)) - done)} did not finish within {TIMEOUT_S} s"
+        if errors:
+            raise AssertionError(
+                "\n".join(f"-- rank {rank} --\n{error}" if rank >= 0 else error for rank, error in sorted(errors.items()))
+            )
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.join()
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; re-raise any failure."""
-    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure."""
+    pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
+    try:
+        pool.run(fn, args)
+    except BaseException:
+        _POOLS.pop(world_size).close()
+        raise
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> float:
