@@ -27,6 +27,8 @@ each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single
 
 from __future__ import annotations
 
+import os
+
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads
@@ -49,8 +51,9 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
         if site.scores is None:
             _narrow_mask_heads(graph, site, ctx)
         output = site.node
-        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
-                                                       ctx.world_size, ctx.group_name), after=output),
+        to_seq = skipped_heads_to_seq if os.environ.get(FAULT_ENV) == "skip_output_all_to_all" else heads_to_seq
+        back = _mark(insert_call(graph, to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
+                                                 ctx.world_size, ctx.group_name), after=output),
                      Shard(site.seq_axis), output)
         output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         if site.output_marker is not None:
@@ -60,6 +63,17 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
             _mark(output, Shard(site.head_axis), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
+
+
+# A deliberate bug, for tests of the checks against eager (`verify`) only: the output's all-to-all is
+# replaced by a local stand-in of the same shape.
+FAULT_ENV = "ULYSSES_COMPILE_TEST_FAULT"
+
+
+def skipped_heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
+    """The fault: this rank's sequence block of its own heads, repeated over the heads (even splits)."""
+    block = x.shape[seq_dim] // world_size
+    return x.narrow(seq_dim, rank * block, block).repeat_interleave(world_size, dim=head_dim)
 
 
 def _set_arg(node: fx.Node, slot: int | str, new) -> None:

@@ -12,7 +12,9 @@ from .errors import (
     UnsupportedError,
     VerificationError,
 )
+from .explain import explain
 from .options import Options
+from .report import Report
 from .zero import full_state_dict, load_sharded_state_dict, parallelize, sharded_state_dict
 
 register_torch_log("ulysses_compile")
@@ -23,9 +25,11 @@ __all__ = [
     "Options",
     "OptionsError",
     "RankMismatchError",
+    "Report",
     "UlyssesError",
     "UnsupportedError",
     "VerificationError",
+    "explain",
     "full_state_dict",
     "load_sharded_state_dict",
     "parallelize",

@@ -8,7 +8,7 @@ import logging
 import torch.fx as fx
 
 from .agreement import checked_first_call, fingerprint
-from .compat import aot_autograd, compile_fx, min_cut_rematerialization_partition
+from .compat import aot_autograd, compile_fx, make_boxed_func, min_cut_rematerialization_partition
 from .context import PassContext
 from .options import Options
 from .pipeline import run_pipeline
@@ -31,6 +31,15 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         return inner_compile(gm, example_inputs, opts.compiler, mode)
     original = copy.deepcopy(gm) if opts.verify else None
     expected = fingerprint(gm, example_inputs)
+    ctx = rewrite(gm, example_inputs, opts, group)
+    compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
+    if original is not None:
+        compiled = verified(compiled, original, ctx)
+    return checked_first_call(compiled, expected, group, ctx.rank)
+
+
+def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> PassContext:
+    """Run the passes on ``gm`` in place for this rank of ``group``; the context holds the report."""
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
@@ -38,14 +47,12 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         options=opts,
         example_inputs=list(example_inputs),
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
-        data_parallel=data_parallel,
+        data_parallel=_data_parallel(opts),
     )
+    ctx.report.captured = gm.code
     run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = ctx.report
-    compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
-    if original is not None:
-        compiled = verified(compiled, original, ctx)
-    return checked_first_call(compiled, expected, group, ctx.rank)
+    return ctx
 
 
 def _data_parallel(opts: Options) -> tuple[str, int] | None:
@@ -59,14 +66,16 @@ def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str |
 
         return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
     if compiler == "aot_eager":
-        # Inductor's partitioner, so aot_eager saves and recomputes what Inductor would (ZeRO-3 re-gathers).
-        return aot_autograd(fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
-                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+        return aot(_boxed_eager, _boxed_eager)(gm, example_inputs)
     return gm.forward
 
 
-def _boxed_eager(gm: fx.GraphModule, example_inputs):
-    from functorch.compile import make_boxed_func
+def aot(fw_compiler, bw_compiler):
+    """AOTAutograd with Inductor's partitioner, so aot_eager saves and recomputes what Inductor would
+    (ZeRO-3 re-gathers)."""
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=min_cut_rematerialization_partition)
 
+
+def _boxed_eager(gm: fx.GraphModule, example_inputs):
     return make_boxed_func(gm.forward)
 

@@ -1,10 +1,13 @@
 """The one place that imports private torch APIs, so a torch upgrade breaks in one file."""
 
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import detect_fake_mode
+from torch._guards import CompileContext, detect_fake_mode
 from torch._inductor.compile_fx import compile_fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._logging import trace_structured
 from torch.distributed._functional_collectives import (
     all_gather_tensor,
     all_reduce,
@@ -16,9 +19,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 __all__ = [
+    "BackendCompilerFailed",
+    "CompileContext",
+    "FakeStore",
     "FakeTensor",
     "FakeTensorMode",
     "c10d_functional",
@@ -34,9 +41,11 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "detect_fake_mode",
+    "make_boxed_func",
     "min_cut_rematerialization_partition",
     "statically_known_true",
     "sympy_interp",
+    "trace_structured",
 ]
 
 import torch  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from .options import Options
-from .report import Report
+from .report import GraphReport
 
 
 @dataclass
@@ -18,7 +18,7 @@ class PassContext:
     group_name: str
     options: Options
     example_inputs: list
-    report: Report = field(default_factory=Report)
+    report: GraphReport = field(default_factory=GraphReport)
     sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
     parameters: set[fx.Node] = field(default_factory=set)  # placeholders holding parameters/buffers
     seq_lengths: list = field(default_factory=list)  # attention sequence lengths, propagation may shard

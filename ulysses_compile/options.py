@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,6 +21,7 @@ class Options:
     outputs: str = "gather"  # "gather": sequence-sharded outputs are all-gathered; "local": kept sharded
     compiler: str = "inductor"
     verify: bool = False  # compare each graph's first call against eager execution
+    dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -42,6 +44,8 @@ class Options:
             raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
         if not isinstance(self.verify, bool):
             raise OptionsError(f"option verify={self.verify!r}: expected True or False")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise OptionsError(f"option dump_dir={self.dump_dir!r}: expected a folder path")
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise OptionsError(
                 f"option group={self.group!r}: expected a torch.distributed.ProcessGroup "

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch.fx as fx
 
 from .collectives import COLLECTIVES
+from .compat import CompileContext, trace_structured
 from .context import PassContext
 from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
@@ -58,7 +60,30 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _record_collectives(gm, ctx)
     for fallback in ctx.report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)
+    _dump(ctx)
     return gm
+
+
+def _dump(ctx: PassContext) -> None:
+    """The graph's code before and after each pass and the report: as artifacts in torch's structured
+    trace (``TORCH_TRACE=DIR``, read with tlparse), and as files under ``options["dump_dir"]``."""
+    report = ctx.report
+    pieces = {"captured": report.captured, **report.graphs}
+    for name, code in pieces.items():
+        trace_structured("artifact", metadata_fn=lambda name=name: {"name": f"ulysses_compile_{name}",
+                                                                     "encoding": "string"},
+                         payload_fn=lambda code=code: code)
+    trace_structured("artifact", metadata_fn=lambda: {"name": "ulysses_compile_report", "encoding": "string"},
+                     payload_fn=lambda: str(report))
+    if ctx.options.dump_dir is None:
+        return
+    compile_id = str(CompileContext.current_compile_id() or "graph").replace("/", "_")
+    folder = Path(ctx.options.dump_dir) / f"rank{ctx.rank}" / compile_id
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, (name, code) in enumerate(pieces.items()):
+        (folder / f"{index:02d}_{name}.py").write_text(code)
+    (folder / "report.txt").write_text(str(report) + "\n")
+    log.info("ulysses_compile: graphs and report of compile %s written to %s", compile_id, folder)
 
 
 def _run_replicated(gm: fx.GraphModule, ctx: PassContext) -> None:

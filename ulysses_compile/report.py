@@ -1,4 +1,6 @@
-"""What the backend did to a graph: attention sites, placements that fell back, collectives inserted."""
+"""What the backend did: per graph (``GraphReport``: attention sites, fallbacks, the collectives inserted,
+the code after each pass) and, from ``explain``, per model (``Report``: adds the collectives of the
+forward and backward programs with their bytes, graph breaks and the activations saved for backward)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch.fx as fx
 
 
 def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
+    """The module a node belongs to (a backward node: the module of the forward op it derives from)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
@@ -36,14 +39,15 @@ class Collective:
 
 
 @dataclass
-class Report:
-    attention_sites: list = field(default_factory=list)
+class GraphReport:
+    attention_sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
     rejected_attention: list[str] = field(default_factory=list)  # "module: why it is not parallelized"
     replicated: str = ""  # why the whole graph runs unsplit on every rank, if it does
     gathered_outputs: list[str] = field(default_factory=list)  # sharded graph outputs that are gathered
     fallbacks: list[Fallback] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    captured: str = ""  # the graph's code as Dynamo captured it
     graphs: dict[str, str] = field(default_factory=dict)  # graph code after each pass
 
     def __str__(self) -> str:
@@ -59,4 +63,89 @@ class Report:
         lines += [f"gathered output: {line}" for line in self.gathered_outputs]
         lines.append(f"fallbacks: {len(self.fallbacks)}")
         lines += [f"  {f}" for f in self.fallbacks]
+        return "\n".join(lines)
+
+
+@dataclass
+class SiteReport:
+    module: str
+    form: str  # sdpa, matmul_softmax, flash_attn, ...
+    layout: str  # e.g. [B, H, S, D]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    kv_seq_len: int
+    mask: str
+    decision: str
+    divisibility: str  # the verdicts on heads, KV heads and sequence at this P
+
+    def __str__(self) -> str:
+        return (f"{self.module}: {self.form} {self.layout}, heads {self.heads} (kv {self.kv_heads}), head_dim "
+                f"{self.head_dim}, seq {self.seq_len}, mask {self.mask}\n    {self.decision}\n    {self.divisibility}")
+
+
+@dataclass
+class CollectiveCall:
+    phase: str  # "forward" or "backward"
+    kind: str  # all_to_all, all_gather, reduce_scatter, all_reduce
+    purpose: str  # the ulysses_compile.collectives function it implements (seq_to_heads, sync_grad, ...)
+    where: str  # the module it serves
+    shape: tuple  # this rank's input
+    dtype: str
+    bytes: int  # of this rank's input
+
+    def __str__(self) -> str:
+        return (f"{self.phase:<8} {self.kind:<14} {self.purpose or '-':<22} {str(list(self.shape)):<18} "
+                f"{self.dtype:<8} {self.bytes:>12,}  {self.where}")
+
+
+@dataclass
+class Report:
+    """What ``explain`` found, for rank ``rank`` of ``world_size``."""
+
+    world_size: int
+    rank: int
+    graphs: list[GraphReport] = field(default_factory=list)
+    attention_sites: list[SiteReport] = field(default_factory=list)
+    rejected_attention: list[str] = field(default_factory=list)
+    collectives: list[CollectiveCall] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)
+    ulysses_minimum_bytes: int = 0  # the sites' q, k, v, output all-to-alls, forward and backward
+    saved_bytes: int = 0  # tensors the forward keeps for the backward: activations (and gathered parameters)
+
+    def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(phase, kind) -> (calls, bytes)."""
+        totals: dict[tuple[str, str], tuple[int, int]] = {}
+        for call in self.collectives:
+            calls, size = totals.get((call.phase, call.kind), (0, 0))
+            totals[(call.phase, call.kind)] = (calls + 1, size + call.bytes)
+        return totals
+
+    def all_to_all_bytes(self) -> int:
+        return sum(call.bytes for call in self.collectives if call.kind == "all_to_all")
+
+    def __str__(self) -> str:
+        lines = [f"ulysses_compile at P = {self.world_size} (rank {self.rank}): {len(self.graphs)} graph(s), "
+                 f"{len(self.graph_breaks)} graph break reason(s)"]
+        lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
+        lines += [f"  graph {i} runs replicated: {graph.replicated}" for i, graph in enumerate(self.graphs)
+                  if graph.replicated]
+        lines.append(f"\nattention sites: {len(self.attention_sites)}")
+        lines += [f"  {site}" for site in self.attention_sites]
+        lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]
+        lines.append(f"\ncollectives per step (this rank's input bytes): {len(self.collectives)} calls")
+        lines += [f"  {phase:<8} {kind:<14} x{calls:<4} {size:>14,} B" for (phase, kind), (calls, size)
+                  in sorted(self.totals().items())]
+        if self.ulysses_minimum_bytes:
+            ratio = self.all_to_all_bytes() / self.ulysses_minimum_bytes
+            lines.append(f"  all-to-all {self.all_to_all_bytes():,} B against the Ulysses minimum "
+                         f"{self.ulysses_minimum_bytes:,} B (B x S/P x (2H + 2H_kv) x D per site and "
+                         f"direction, at this rank's block sizes): {ratio:.2f}x")
+        lines.append(f"  {'phase':<8} {'kind':<14} {'purpose':<22} {'shape':<18} {'dtype':<8} {'bytes':>12}  where")
+        lines += [f"  {call}" for call in self.collectives]
+        lines.append(f"\nfallbacks: {len(self.fallbacks)}")
+        lines += [f"  {fallback}" for fallback in self.fallbacks]
+        lines.append(f"\nsaved for the backward (activation memory per rank, estimated): {self.saved_bytes:,} B")
         return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""``options={"verify": True}``: check a compiled graph's first call against eager execution."""
+"""Checks against eager execution: ``options={"verify": True}`` (a compiled graph's first call) and the
+comparison table that it and ``python -m ulysses_compile verify`` print."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def compare(name_pairs, rtol: float = RTOL) -> tuple[list[str], bool]:
     """Rows of a table (name, max abs error, error relative to the reference's magnitude) and a verdict."""
     rows, ok = [], True
     for name, got, want in name_pairs:
+        if got is None or want is None:
+            rows.append(f"{name:<40} {'compiled' if got is None else 'eager'} has none   MISMATCH")
+            ok = False
+            continue
         if got.shape != want.shape:
             rows.append(f"{name:<40} shape {tuple(got.shape)} != {tuple(want.shape)}   MISMATCH")
             ok = False
@@ -37,11 +42,8 @@ def verified(compiled, original, ctx):
             checked = True
             with torch.no_grad():  # on copies: the graph may update buffers in place
                 reference = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-            pairs = [
-                (f"output {i}", got, want)
-                for i, (got, want) in enumerate(zip(_flat(result), _flat(reference)))
-                if isinstance(got, torch.Tensor)
-            ]
+            pairs = [(f"output {name}", got, want)
+                     for (name, got), (_, want) in zip(named_tensors(result), named_tensors(reference))]
             rows, ok = compare(pairs)
             if not ok:
                 raise VerificationError(
@@ -53,5 +55,31 @@ def verified(compiled, original, ctx):
     return run
 
 
-def _flat(values):
-    return list(values) if isinstance(values, (tuple, list)) else [values]
+def named_tensors(output, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a model's output (a tensor, tuple, list, dict or transformers ModelOutput), named
+    by their path in it: ``loss``, ``logits``, ``0``, ``hidden_states.2``."""
+    if isinstance(output, torch.Tensor):
+        return [(prefix or "output", output)]
+    if isinstance(output, dict):
+        items = output.items()
+    elif isinstance(output, (tuple, list)):
+        items = enumerate(output)
+    else:
+        return []
+    return [pair for key, value in items for pair in named_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
+
+
+def differentiable_scalar(output) -> torch.Tensor | None:
+    """What to call ``backward`` on: the output's ``loss`` if it has one, else every floating output
+    that requires grad, weighted by fixed random numbers (a plain sum would give every element the
+    same gradient and hide a permutation) and summed; None when nothing requires grad."""
+    loss = output.get("loss") if isinstance(output, dict) else None
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss.float().sum()
+    terms = []
+    generator = torch.Generator().manual_seed(0)
+    for _, tensor in named_tensors(output):
+        if tensor.requires_grad and tensor.is_floating_point():
+            weights = torch.randn(tensor.shape, generator=generator).to(tensor.device)
+            terms.append((tensor.float() * weights).sum())
+    return torch.stack(terms).sum() if terms else None

@@ -14,7 +14,7 @@ import operator
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.collectives import reduce_partial
+from ulysses_compile.collectives import insert_call, reduce_partial
 from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
 from ulysses_compile.sizes import size_arg
 
@@ -36,18 +36,19 @@ def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> 
     node.args = (args["input"], args["target"])
     node.kwargs = {name: args[name] for name in ("weight", "ignore_index", "label_smoothing") if name in args}
     node.kwargs = {**node.kwargs, "reduction": "sum"}
-    graph = node.graph
-    with graph.inserting_before(node.next):
-        total = graph.call_function(reduce_partial, (node, ctx.group_name))
-        inserted = [total]
-        if denominator is None:
+    graph, anchor = node.graph, node.next
+    total = insert_call(graph, reduce_partial, (node, ctx.group_name), before=anchor)
+    inserted = [total]
+    if denominator is None:
+        with graph.inserting_before(anchor):
             count = graph.call_function(counted_tokens, (args["target"], args["ignore_index"], args.get("weight")))
-            count_total = graph.call_function(reduce_partial, (count, ctx.group_name))
-            inserted += [count, count_total]
-        else:
-            count_total = size_arg(graph, denominator, before=node.next)
+        count_total = insert_call(graph, reduce_partial, (count, ctx.group_name), before=anchor)
+        inserted += [count, count_total]
+    else:
+        count_total = size_arg(graph, denominator, before=anchor)
+    with graph.inserting_before(anchor):
         loss = graph.call_function(operator.truediv, (total, count_total))
-        inserted.append(loss)
+    inserted.append(loss)
     for new in inserted:
         new.meta["ulysses_inserted"] = "global_mean_loss"
     node.replace_all_uses_with(loss, delete_user_cb=lambda user: user not in inserted)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.collectives import add_previous_ranks_totals
+from ulysses_compile.collectives import add_previous_ranks_totals, insert_call
 from ulysses_compile.sharding import PARTIAL, PLACEMENT_KEY, REPLICATE, with_dim
 from ulysses_compile.sizes import size_arg
 
@@ -111,10 +111,8 @@ def _along_dim(sequence_localize=None):
 
 def _localize_cumsum(node: fx.Node, sharding, ctx) -> None:
     dim = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], sharding.global_value.dim())
-    with node.graph.inserting_after(node):
-        total = node.graph.call_function(add_previous_ranks_totals, (node, dim, ctx.rank, ctx.world_size,
-                                                                       ctx.group_name))
-    total.meta["ulysses_inserted"] = "add_previous_ranks_totals"
+    total = insert_call(node.graph, add_previous_ranks_totals, (node, dim, ctx.rank, ctx.world_size, ctx.group_name),
+                        after=node)
     node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
 
 

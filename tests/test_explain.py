@@ -1,0 +1,159 @@
+"""``explain`` (one process, simulated ranks), the command line (``explain`` and ``verify`` on model files
+written here), and the graph dumps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models import tiny_llama, token_batch
+from ulysses_compile import DivisibilityError, UlyssesError, explain
+from ulysses_compile.sharding import block_sizes
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
+    heads, kv_heads, head_dim, layers, batch = 8, (4 if world_size < 8 else 8), 8, 2, 2
+    seq = 60 if world_size == 8 else 64  # at 8 ranks blocks of 8 and 7: the last rank's are 7
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=layers)
+    ids, labels = token_batch(batch=batch, seq=seq)
+    rank = world_size - 1
+    report = explain(model, input_ids=ids, labels=labels, use_cache=False, world_size=world_size, rank=rank)
+
+    assert not dist.is_initialized() and all(p.grad is None for p in model.parameters())  # nothing left behind
+    assert [site.module for site in report.attention_sites] == [f"model.layers.{i}.self_attn" for i in range(layers)]
+    local = block_sizes(seq, world_size)[rank]
+    for site in report.attention_sites:
+        assert (site.heads, site.kv_heads, site.head_dim, site.seq_len) == (heads, kv_heads, head_dim, seq)
+        assert site.decision.startswith("parallelized: heads per rank")
+        assert f"heads {heads} on {world_size} ranks: {heads // world_size} each" in site.divisibility
+        assert ("uneven blocks" in site.divisibility) == (seq % world_size != 0)
+    # Forward: q, k, v of this rank's block, all heads; the output of its heads, whole sequence. The
+    # backward sends the mirror images. fp32.
+    local_heads, local_kv = heads // world_size, kv_heads // world_size
+    forward = batch * (local * (heads + 2 * kv_heads) + seq * local_heads) * head_dim * 4
+    backward = batch * (seq * (local_heads + 2 * local_kv) + local * heads) * head_dim * 4
+    totals = report.totals()
+    assert totals[("forward", "all_to_all")] == (4 * layers, forward * layers)
+    assert totals[("backward", "all_to_all")] == (4 * layers, backward * layers)
+    assert report.ulysses_minimum_bytes == report.all_to_all_bytes() == layers * (forward + backward)
+    assert totals[("forward", "all_gather")][0] == 1  # the logits, gathered for the output
+    assert totals[("forward", "all_reduce")][0] == 2  # the loss: its sum and its token count
+    parameters = len(list(model.parameters()))
+    syncs = [call for call in report.collectives if call.purpose == "sync_grad"]
+    assert len(syncs) == totals[("backward", "all_reduce")][0] == parameters
+    assert {call.where for call in report.collectives if call.kind == "all_to_all"} == {
+        site.module for site in report.attention_sites}
+    assert report.fallbacks == [] and report.graph_breaks == [] and report.saved_bytes > 0
+    (graph,) = report.graphs
+    assert "seq_to_heads" not in graph.captured and "seq_to_heads" in graph.graphs["insert_all_to_all"]
+    text = str(report)
+    assert f"ulysses_compile at P = {world_size} (rank {rank})" in text and "Ulysses minimum" in text and "1.00x" in text
+
+
+class RollingBlock(torch.nn.Module):
+    """Plain PyTorch with a graph break (a print-like call Dynamo cannot trace) and a cross-sequence op
+    with no sharded rule (``torch.roll`` over tokens), to see both reported."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(64, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, 64)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        y = torch.roll(y, shifts=1, dims=1)
+        torch._dynamo.graph_break()
+        return self.out(y)
+
+
+def test_explain_reports_fallbacks_with_their_source_and_graph_breaks():
+    idx = torch.randint(0, 64, (2, 16))
+    report = explain(RollingBlock(), idx, world_size=4)
+    assert len(report.graphs) == 2 and len(report.graph_breaks) == 1
+    assert len(report.attention_sites) == 1
+    (fallback,) = report.fallbacks
+    assert "roll" in fallback.op and "torch.roll(y, shifts=1, dims=1)" in fallback.source
+    assert "fallbacks: 1" in str(report) and "graph break" in str(report)
+
+
+def test_explain_errors(fake_group):
+    ids, labels = token_batch()
+    with pytest.raises(DivisibilityError, match="4 query heads cannot be split over 8 sequence-parallel ranks"):
+        explain(tiny_llama(heads=4, kv_heads=4), input_ids=ids, world_size=8)
+    with pytest.raises(UlyssesError, match="world_size=1"):
+        explain(tiny_llama(), input_ids=ids, world_size=1)
+    fake_group(2)
+    with pytest.raises(UlyssesError, match="already initialized in this process; call explain before"):
+        explain(tiny_llama(), input_ids=ids, world_size=4)
+
+
+def test_dump_dir_holds_each_pass_and_the_report(fake_group, tmp_path):
+    fake_group(2)
+    ids, labels = token_batch()
+    compiled = torch.compile(tiny_llama(layers=1), backend="ulysses",
+                             options={"compiler": "eager", "dump_dir": str(tmp_path)})
+    compiled(input_ids=ids, labels=labels, use_cache=False)
+    (folder,) = (tmp_path / "rank0").iterdir()
+    names = sorted(path.name for path in folder.iterdir())
+    assert names[0] == "00_captured.py" and "report.txt" in names and len(names) == 12  # captured, 10 passes
+    (after,) = folder.glob("*_insert_all_to_all.py")
+    assert "seq_to_heads" in after.read_text() and "seq_to_heads" not in (folder / "00_captured.py").read_text()
+    assert "attention sites: 1" in (folder / "report.txt").read_text()
+
+
+MODEL_FILE = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make():
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4)
+    ids = torch.randint(0, 128, (2, 32))
+    return LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids, "use_cache": False}
+"""
+
+
+def _cli(*arguments, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ulysses_compile", *arguments], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_cli_explain_on_a_model_file(tmp_path):
+    (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
+    trace = tmp_path / "trace"
+    result = _cli("explain", f"{tmp_path}/model.py:make", "--world-size", "4", env={"TORCH_TRACE": str(trace)})
+    assert result.returncode == 0, result.stderr
+    assert "attention sites: 2" in result.stdout and "1.00x" in result.stdout
+    assert "model.layers.1.self_attn" in result.stdout
+    logged = "".join(path.read_text() for path in trace.iterdir())  # tlparse's input
+    assert "ulysses_compile_insert_all_to_all" in logged and "ulysses_compile_report" in logged
+
+    assert _cli("--help").returncode == 0 and "verify" in _cli("--help").stdout
+    missing = _cli("explain", f"{tmp_path}/model.py:build", "--world-size", "4")
+    assert missing.returncode == 2 and "defines no function 'build'" in missing.stderr
+
+
+@pytest.mark.multirank
+def test_cli_verify_passes_a_correct_program_and_catches_a_dropped_all_to_all(tmp_path):
+    (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
+    spec = f"{tmp_path}/model.py:make"
+    good = _cli("verify", spec, "--world-size", "2")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "every output and gradient matches eager" in good.stdout and "grad lm_head.weight" in good.stdout
+    broken = _cli("verify", spec, "--world-size", "2", env={"ULYSSES_COMPILE_TEST_FAULT": "skip_output_all_to_all"})
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "output logits" in broken.stdout and "MISMATCH on ranks [0, 1]" in broken.stdout

@@ -1,0 +1,164 @@
+"""``python -m ulysses_compile explain|verify FILE.py:FACTORY --world-size P``.
+
+``FACTORY()`` returns ``(model, args, kwargs)``: the model and the inputs of one call, ``model(*args,
+**kwargs)``. It is called after ``torch.manual_seed(0)``, so random weights and inputs are the same on
+every rank.
+
+explain  traces and rewrites the model for P ranks in this process (simulated ranks, no launcher) and
+         prints the report: attention sites and their verdicts, collectives per step against the
+         Ulysses minimum, fallbacks, graph breaks, saved activations.
+verify   launches P CPU (gloo) ranks; each runs one forward and backward compiled with
+         backend="ulysses" and eagerly, and compares every output and parameter gradient. Prints a
+         table of max abs / relative errors; exits 1 on a mismatch, 2 if a rank failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import UlyssesError
+from .verify import RTOL, compare, differentiable_scalar, named_tensors
+
+FACTORY_HELP = "FILE.py:FACTORY, where FACTORY() returns (model, args, kwargs)"
+
+
+def load_factory(spec: str):
+    """``FILE.py:FACTORY`` -> the function."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise UlyssesError(f"{spec!r}: expected {FACTORY_HELP}, e.g. model.py:make")
+    file = Path(path)
+    if not file.is_file():
+        raise UlyssesError(f"{spec!r}: there is no file {file}")
+    sys.path.insert(0, str(file.resolve().parent))  # the file may import its neighbours
+    module_spec = importlib.util.spec_from_file_location(f"ulysses_factory_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise UlyssesError(f"{spec!r}: {file} defines no function {name!r}")
+    return factory
+
+
+def build(spec: str):
+    torch.manual_seed(0)
+    built = load_factory(spec)()
+    if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], torch.nn.Module)
+            and isinstance(built[1], (tuple, list)) and isinstance(built[2], dict)):
+        raise UlyssesError(f"{spec}: the factory returned {type(built).__name__}; expected a tuple "
+                           f"(model, args, kwargs) with an nn.Module, a tuple and a dict")
+    return built
+
+
+def _explain(arguments) -> int:
+    from .explain import explain
+
+    started = time.perf_counter()
+    model, args, kwargs = build(arguments.factory)
+    print(f"explain: {type(model).__name__} from {arguments.factory} at {arguments.world_size} simulated "
+          f"ranks (this process is rank {arguments.rank}) ...", flush=True)
+    report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank, **kwargs)
+    print(report)
+    print(f"explain: done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _verify_rank(rank: int, world_size: int, port: int, arguments, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, args, kwargs = build(arguments.factory)
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="ulysses", options={"compiler": arguments.compiler})
+        started = time.perf_counter()
+        output = compiled(*args, **kwargs)
+        _backward(output)
+        seconds = time.perf_counter() - started
+        reference = eager(*args, **kwargs)
+        _backward(reference)
+        pairs = [(f"output {name}", got, want) for (name, got), (_, want)
+                 in zip(named_tensors(output), named_tensors(reference))]
+        eager_grads = {name: param.grad for name, param in eager.named_parameters()}
+        for name, param in model.named_parameters():
+            if param.grad is not None or eager_grads[name] is not None:
+                pairs.append((f"grad {name}", param.grad, eager_grads[name]))
+        rows, ok = compare(pairs, arguments.rtol)
+        results.put((rank, ok, rows, seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def _backward(output) -> None:
+    scalar = differentiable_scalar(output)
+    if scalar is not None:
+        scalar.backward()
+
+
+def _verify(arguments) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    load_factory(arguments.factory)  # a wrong FILE.py:FACTORY fails here, once, not on every rank
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"verify: {arguments.factory} on {arguments.world_size} gloo ranks, compiler {arguments.compiler}, "
+          f"rtol {arguments.rtol} of each reference's magnitude; starting the ranks ...", flush=True)
+    started = time.perf_counter()
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    ranks = mp.start_processes(_verify_rank, args=(arguments.world_size, port, arguments, results),
+                               nprocs=arguments.world_size, join=False, start_method="spawn")
+    verdicts = []
+    try:
+        while not ranks.join(timeout=0.5):
+            while not results.empty():  # read as they come: a rank blocks on a full pipe
+                verdicts.append(results.get())
+    except Exception as failure:  # a rank raised: its traceback is the message
+        print(f"verify: a rank failed after {time.perf_counter() - started:.1f} s:\n{failure}", file=sys.stderr)
+        return 2
+    while not results.empty():
+        verdicts.append(results.get())
+    verdicts.sort()
+    for rank, ok, rows, seconds in verdicts:
+        if rank == 0 or not ok:
+            print(f"rank {rank} (compiled forward and backward in {seconds:.1f} s):")
+            print("\n".join(f"  {row}" for row in rows))
+    bad = [rank for rank, ok, _, _ in verdicts if not ok]
+    print(f"verify: {'MISMATCH on ranks ' + str(bad) if bad else 'every output and gradient matches eager'} "
+          f"({time.perf_counter() - started:.1f} s)")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ulysses_compile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    explain = commands.add_parser("explain", help="report what the backend does at P ranks, in this process")
+    verify = commands.add_parser("verify", help="run P gloo ranks and compare with eager; exit 1 on a mismatch")
+    for command in (explain, verify):
+        command.add_argument("factory", help=FACTORY_HELP)
+        command.add_argument("--world-size", "-P", type=int, required=True, help="the number of ranks P")
+    explain.add_argument("--rank", type=int, default=0, help="the rank whose program is reported (default 0)")
+    verify.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager", "eager"),
+                        help="the inner compiler (default aot_eager: no code generation, quick)")
+    verify.add_argument("--rtol", type=float, default=RTOL,
+                        help=f"allowed max abs error relative to the reference's magnitude (default {RTOL})")
+    arguments = parser.parse_args(argv)
+    try:
+        return _explain(arguments) if arguments.command == "explain" else _verify(arguments)
+    except UlyssesError as error:
+        print(f"{parser.prog} {arguments.command}: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,153 @@
+"""``explain(model, *args, world_size=P, **kwargs)``: what the backend would do at P ranks, in one process.
+
+A copy of the model is compiled with the ulysses backend against a fake process group of P ranks (this
+process plays rank ``rank``; its collectives move no data, so values are meaningless but every shape is
+the real one), run forward and backward once, and summarized: each attention site with its verdict at
+this P, every collective of the forward and backward programs AOTAutograd derives (bytes per call, totals
+next to the Ulysses minimum), fallbacks with their source lines, graph breaks, the activations saved for
+the backward, and each graph's code before and after every pass.
+
+    report = ulysses_compile.explain(model, input_ids=ids, labels=ids, world_size=8)
+    print(report)                        # the summary table
+    report.graphs[0].graphs["insert_all_to_all"]   # code after a pass; .captured is Dynamo's graph
+
+Like ``torch._dynamo.explain`` it resets Dynamo's caches first.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from .backend import aot, rewrite
+from .compat import BackendCompilerFailed, FakeStore, make_boxed_func
+from .errors import UlyssesError
+from .options import Options
+from .report import CollectiveCall, Report, SiteReport, module_path
+from .sharding import block_sizes, sharding_of
+from .sizes import as_int
+from .verify import differentiable_scalar
+
+# The functional collectives AOTAutograd leaves in the forward and backward programs.
+COLLECTIVE_OPS = {
+    torch.ops._c10d_functional.all_to_all_single.default: "all_to_all",
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
+
+
+def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, options: dict | None = None,
+            **kwargs) -> Report:
+    """Report what ``torch.compile(model, backend="ulysses", options=options)`` does to ``model(*args,
+    **kwargs)`` on rank ``rank`` of ``world_size`` sequence-parallel ranks, without launching them."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise UlyssesError(f"explain(world_size={world_size!r}): expected the number of ranks to simulate, 2 or more")
+    if not 0 <= rank < world_size:
+        raise UlyssesError(f"explain(rank={rank!r}): expected a rank in 0..{world_size - 1}")
+    if dist.is_initialized():
+        raise UlyssesError(
+            "explain simulates the ranks with a process group of its own, and torch.distributed is already "
+            "initialized in this process; call explain before init_process_group, or in another process "
+            "(python -m ulysses_compile explain FILE.py:FACTORY --world-size P)"
+        )
+    opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
+    report = Report(world_size=world_size, rank=rank)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        compiled = torch.compile(copy.deepcopy(model), backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
+        scalar = differentiable_scalar(compiled(*args, **kwargs))
+        if scalar is not None:
+            scalar.backward()
+    except BackendCompilerFailed as failure:
+        if isinstance(failure.inner_exception, UlyssesError):  # the verdict itself, e.g. more ranks than heads
+            raise failure.inner_exception from None
+        raise
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    report.graph_breaks = [f"{reason} (x{count})" for reason, count in
+                           torch._dynamo.utils.counters["graph_break"].items()]
+    return report
+
+
+def _compile(gm, example_inputs, opts: Options, report: Report):
+    ctx = rewrite(gm, example_inputs, opts, dist.group.WORLD)
+    report.graphs.append(ctx.report)
+    report.attention_sites += [_site_report(site, ctx.world_size, ctx.rank) for site in ctx.sites]
+    report.rejected_attention += ctx.report.rejected_attention
+    report.fallbacks += ctx.report.fallbacks
+    if not ctx.report.replicated:
+        for site in ctx.sites:
+            report.ulysses_minimum_bytes += _minimum_bytes(site, ctx.world_size, ctx.rank)
+
+    def keep(phase):
+        def compile_phase(graph, inputs):
+            report.collectives += _collective_calls(graph, phase)
+            if phase == "backward":
+                report.saved_bytes += _saved_bytes(graph)
+            return make_boxed_func(graph.forward)
+
+        return compile_phase
+
+    return aot(keep("forward"), keep("backward"))(gm, example_inputs)
+
+
+def _site_report(site, world_size: int, rank: int) -> SiteReport:
+    heads = block_sizes(site.heads, world_size)
+    blocks = block_sizes(as_int(site.seq_len), world_size)
+    verdicts = [
+        f"heads {site.heads} on {world_size} ranks: "
+        + (f"{heads[0]} each" if len(set(heads)) == 1 else f"uneven blocks {','.join(map(str, heads))}"),
+        f"kv heads {site.kv_heads}: " + ("by all-to-all" if site.kv_by_all_to_all(world_size) else
+                                          "each rank gathers the KV heads its query heads use"),
+        f"seq {site.seq_len}: " + (f"{blocks[0]} per rank" if len(set(blocks)) == 1 else
+                                   f"uneven blocks {','.join(map(str, blocks))} (rank {rank}: {blocks[rank]})"),
+    ]
+    return SiteReport(
+        module=site.module or site.node.name, form=site.form, layout=site.layout(), heads=site.heads,
+        kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
+        mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
+    )
+
+
+def _minimum_bytes(site, world_size: int, rank: int) -> int:
+    """What this rank puts into Ulysses' four all-to-alls of one site, forward and backward. Forward: q,
+    k, v of its sequence block for all heads and the output of its heads for the whole sequence; the
+    backward sends the mirror images: B x (S_r (H + 2 H_kv) + S H_r) x D and B x (S (H_r + 2 H_kv,r) +
+    S_r H) x D elements (2 x B x S/P x (2 H + 2 H_kv) x D when P divides everything)."""
+    query = sharding_of(site.query).global_value
+    seq = as_int(site.seq_len)
+    batch = query.numel() // (site.heads * seq * site.head_dim)
+    local_seq = block_sizes(seq, world_size)[rank]
+    local_heads = block_sizes(site.heads, world_size)[rank]
+    local_kv_heads = block_sizes(site.kv_heads, world_size)[rank]
+    forward = local_seq * (site.heads + 2 * site.kv_heads) + seq * local_heads
+    backward = seq * (local_heads + 2 * local_kv_heads) + local_seq * site.heads
+    return batch * (forward + backward) * site.head_dim * query.element_size()
+
+
+def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
+    calls = []
+    for node in graph.graph.nodes:
+        kind = COLLECTIVE_OPS.get(node.target)
+        if kind is None:
+            continue
+        value = node.args[0].meta["val"]
+        calls.append(CollectiveCall(
+            phase=phase, kind=kind, purpose=(node.meta.get("custom") or {}).get("ulysses_collective", ""),
+            where=module_path(node), shape=tuple(as_int(size) for size in value.shape), dtype=str(value.dtype).removeprefix("torch."),
+            bytes=as_int(value.numel()) * value.element_size(),
+        ))
+    return calls
+
+
+def _saved_bytes(backward) -> int:
+    """The tensors the forward saves for the backward: the backward's inputs that are not gradients."""
+    saved = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")
+             if not node.name.startswith("tangents")]
+    return sum(as_int(value.numel()) * value.element_size() for value in saved if isinstance(value, torch.Tensor))
