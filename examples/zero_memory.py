@@ -55,15 +55,24 @@ def _resident_kib(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1))
 
 
-def measured_step(model, optimizer, inputs) -> int:
-    """Peak resident bytes of one training step above the resident bytes at its start."""
-    optimizer.zero_grad()
+def peak_bytes(step) -> int:
+    """Peak resident bytes while ``step()`` runs, above the resident bytes at its start."""
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the peak (VmHWM) restarts from the current resident size
     start = _resident_kib("VmRSS")
-    model(**inputs).loss.backward()
-    optimizer.step()
+    step()
     return (_resident_kib("VmHWM") - start) * 1024
+
+
+def measured_step(model, optimizer, inputs) -> int:
+    """Peak resident bytes of one training step (forward, backward, optimizer step)."""
+    optimizer.zero_grad()
+
+    def step():
+        model(**inputs).loss.backward()
+        optimizer.step()
+
+    return peak_bytes(step)
 
 
 def figures(model, seq_len: int) -> tuple[int, int, int, int]:

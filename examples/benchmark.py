@@ -1,0 +1,271 @@
+"""Step time, memory and communication of ``backend="ulysses"`` against hand-written DeepSpeed-Ulysses and
+one process, side by side on P CPU (gloo) ranks.
+
+    python examples/benchmark.py                                   # P = 2, S = 4096
+    python examples/benchmark.py --world-sizes 2 4 --seq-lens 2048 4096 8192 --out bench
+
+For a transformers Llama (hidden 256, 4 layers, 8 heads, vocab 8192) and one sequence of S tokens, a
+training step (forward, backward) is timed (median of ``--steps`` after a warm-up step):
+
+- one:        one process, unsharded, ``torch.compile`` (Inductor), the threads of one rank;
+- ulysses:    P ranks, ``torch.compile(model, backend="ulysses")``, every rank passing the global batch;
+- deepspeed:  P ranks, the same model in eager with its attention wrapped by DeepSpeed's
+              ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
+              sequence block, its position ids and pre-shifted labels, a hand-written global loss and
+              one flat all-reduce of the gradients.
+
+Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses, each
+rank's peak resident memory during a step (the largest rank) against one process, the all-to-all calls
+and bytes of the compiled program against the Ulysses minimum (``explain``), and the compile time with
+the share of our passes. A JSON file and a PNG plot are written next to ``--out``. The three losses
+are printed too: they must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+from zero_memory import peak_bytes  # also sets the allocator's threshold for every rank
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 8192
+
+
+def build_model(seq_len: int, attention: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=seq_len,
+                         attn_implementation=attention)
+    return LlamaForCausalLM(config)
+
+
+def token_ids(seq_len: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def timed_steps(step, steps: int) -> tuple[float, float, list[float]]:
+    """(first step's seconds, median of the next ``steps``, their peak memory growths)."""
+    started = time.perf_counter()
+    step()
+    first = time.perf_counter() - started
+    times, peaks = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        peaks.append(peak_bytes(step))
+        times.append(time.perf_counter() - started)
+    return first, statistics.median(times), peaks
+
+
+def training_step(model, ids: torch.Tensor, losses: list):
+    """Forward and backward of the model on the global batch, its loss appended to ``losses``."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+
+    return step
+
+
+def one_process(seq_len: int, steps: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    model = torch.compile(build_model(seq_len))
+    losses = []
+    first, median, peaks = timed_steps(training_step(model, token_ids(seq_len), losses), steps)
+    return {"seconds": median, "compile_seconds": first - median, "peak_bytes": max(peaks), "loss": losses[0]}
+
+
+def ulysses_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict:
+    from ulysses_compile import ulysses
+
+    pass_seconds = []
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs)
+        pass_seconds.append(sum(gm.meta["ulysses_report"].pass_seconds.values()))
+        return compiled
+
+    model = torch.compile(build_model(seq_len), backend=backend)
+    losses = []
+    first, median, peaks = timed_steps(training_step(model, token_ids(seq_len), losses), steps)
+    return {"seconds": median, "compile_seconds": first - median, "pass_seconds": sum(pass_seconds),
+            "peak_bytes": max(peaks), "loss": losses[0]}
+
+
+def deepspeed_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict:
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+    from torch.distributed.nn.functional import all_reduce
+    from transformers import AttentionInterface
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    group = dist.group.WORLD
+
+    def local_attention(query, key, value, *args, **kwargs):  # [B, S, H/P, D] on every rank
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             is_causal=True)
+        return out.transpose(1, 2)
+
+    distributed = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # HF: [B, H, S/P, D]
+        out = distributed(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0)
+        return out, None  # [B, S/P, H, D], as HF's attention functions return
+
+    AttentionInterface.register("deepspeed_ulysses", attention)
+    model = build_model(seq_len, attention="deepspeed_ulysses")
+    ids = token_ids(seq_len)
+    block = seq_len // world_size
+    first_token = rank * block
+    local_ids = ids[:, first_token:first_token + block]
+    positions = torch.arange(first_token, first_token + block).unsqueeze(0)
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)[:, first_token:first_token + block]
+    tokens = (shifted != -100).sum()
+    total_tokens = tokens.clone()
+    dist.all_reduce(total_tokens)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    losses = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=local_ids, position_ids=positions, use_cache=False).logits
+        local = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100, reduction="sum")
+        loss = all_reduce(local) / total_tokens
+        loss.backward()
+        grads = torch._utils._flatten_dense_tensors([p.grad for p in parameters])
+        dist.all_reduce(grads)
+        for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
+            p.grad.copy_(synced)
+        losses.append(loss.item())
+
+    first, median, peaks = timed_steps(step, steps)
+    return {"seconds": median, "peak_bytes": max(peaks), "loss": losses[0]}
+
+
+def _rank(rank: int, world_size: int, port: int, peer: str, seq_len: int, steps: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        measured = (ulysses_rank if peer == "ulysses" else deepspeed_rank)(rank, world_size, seq_len, steps)
+        results.put((rank, measured))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(peer: str, world_size: int, seq_len: int, steps: int) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank, args=(world_size, port, peer, seq_len, steps, results), nprocs=world_size,
+                       start_method="spawn")
+    return [measured for _, measured in sorted(results.get() for _ in range(world_size))]
+
+
+def communication(world_size: int, seq_len: int) -> dict:
+    from ulysses_compile import explain
+
+    ids = token_ids(seq_len)
+    report = explain(build_model(seq_len), input_ids=ids, labels=ids, use_cache=False, world_size=world_size)
+    calls = sum(1 for call in report.collectives if call.kind == "all_to_all")
+    return {"all_to_all_calls": calls, "all_to_all_bytes": report.all_to_all_bytes(),
+            "ulysses_minimum_bytes": report.ulysses_minimum_bytes, "formula_calls": 8 * 4}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
+    args = parser.parse_args()
+    rows = []
+    for seq_len in args.seq_lens:
+        for world_size in args.world_sizes:
+            threads = max(1, (os.cpu_count() or 1) // world_size)
+            log(f"S={seq_len} P={world_size}: one process with {threads} thread(s) ...")
+            one = one_process(seq_len, args.steps, threads)
+            log(f"  one: {one['seconds']:.2f} s/step; ulysses on {world_size} ranks ...")
+            ours = on_ranks("ulysses", world_size, seq_len, args.steps)
+            log(f"  ulysses: {ours[0]['seconds']:.2f} s/step; deepspeed on {world_size} ranks ...")
+            peer = on_ranks("deepspeed", world_size, seq_len, args.steps)
+            log(f"  deepspeed: {peer[0]['seconds']:.2f} s/step; counting communication ...")
+            row = {"P": world_size, "S": seq_len, "threads_per_rank": threads, "one": one,
+                   "ulysses": _worst(ours), "deepspeed": _worst(peer), **communication(world_size, seq_len)}
+            rows.append(row)
+            print(_line(row), flush=True)
+    with open(f"{args.out}.json", "w") as out:
+        json.dump(rows, out, indent=2)
+    _plot(rows, f"{args.out}.png")
+    log(f"wrote {args.out}.json and {args.out}.png")
+
+
+def _worst(per_rank: list[dict]) -> dict:
+    """The slowest rank's time and the largest rank's memory (every rank waits for the slowest)."""
+    worst = dict(per_rank[0])
+    worst["seconds"] = max(r["seconds"] for r in per_rank)
+    worst["peak_bytes"] = max(r["peak_bytes"] for r in per_rank)
+    return worst
+
+
+def _line(row: dict) -> str:
+    one, ours, peer, P = row["one"], row["ulysses"], row["deepspeed"], row["P"]
+    return (
+        f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses {ours['seconds']:.2f} s, deepspeed "
+        f"{peer['seconds']:.2f} s -> ulysses/deepspeed {ours['seconds'] / peer['seconds']:.2f}, parallel efficiency "
+        f"{one['seconds'] / P / ours['seconds']:.2f}; peak memory per rank ulysses {ours['peak_bytes'] / 2**20:.0f} MiB "
+        f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
+        f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "
+        f"(formula {row['formula_calls']}), {row['all_to_all_bytes']:,} B (minimum {row['ulysses_minimum_bytes']:,}); "
+        f"compile {ours['compile_seconds']:.1f} s, passes {ours['pass_seconds']:.1f} s "
+        f"({ours['pass_seconds'] / ours['compile_seconds']:.0%}); losses one {one['loss']:.6f} ulysses "
+        f"{ours['loss']:.6f} deepspeed {peer['loss']:.6f}"
+    )
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for world_size in sorted({row["P"] for row in rows}):
+        mine = [row for row in rows if row["P"] == world_size]
+        lengths = [row["S"] for row in mine]
+        for name, style in (("ulysses", "-o"), ("deepspeed", "--s")):
+            time_axis.plot(lengths, [row[name]["seconds"] for row in mine], style, label=f"{name} P={world_size}")
+            memory_axis.plot(lengths, [row[name]["peak_bytes"] / 2**20 for row in mine], style,
+                             label=f"{name} P={world_size}")
+        time_axis.plot(lengths, [row["one"]["seconds"] / world_size for row in mine], ":", label=f"one / {world_size}")
+    lengths = sorted({row["S"] for row in rows})
+    memory_axis.plot(lengths, [next(r["one"]["peak_bytes"] for r in rows if r["S"] == s) / 2**20 for s in lengths],
+                     ":k", label="one process")
+    time_axis.set(xlabel="sequence length S", ylabel="seconds per step (fwd+bwd)", xscale="log", yscale="log")
+    memory_axis.set(xlabel="sequence length S", ylabel="peak MiB per rank during a step", xscale="log")
+    for axis in (time_axis, memory_axis):
+        axis.legend(fontsize=7)
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
