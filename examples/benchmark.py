@@ -254,10 +254,10 @@ def _plot(rows: list[dict], path: str) -> None:
             time_axis.plot(lengths, [row[name]["seconds"] for row in mine], style, label=f"{name} P={world_size}")
             memory_axis.plot(lengths, [row[name]["peak_bytes"] / 2**20 for row in mine], style,
                              label=f"{name} P={world_size}")
-        time_axis.plot(lengths, [row["one"]["seconds"] / world_size for row in mine], ":", label=f"one / {world_size}")
+        time_axis.plot(lengths, [row["one"]["seconds"] / world_size for row in mine], ":", label=f"one / {world_size}", marker="x")
     lengths = sorted({row["S"] for row in rows})
     memory_axis.plot(lengths, [next(r["one"]["peak_bytes"] for r in rows if r["S"] == s) / 2**20 for s in lengths],
-                     ":k", label="one process")
+                     ":xk", label="one process")
     time_axis.set(xlabel="sequence length S", ylabel="seconds per step (fwd+bwd)", xscale="log", yscale="log")
     memory_axis.set(xlabel="sequence length S", ylabel="peak MiB per rank during a step", xscale="log")
     for axis in (time_axis, memory_axis):

@@ -271,3 +271,42 @@ def test_handwritten_attention_runs_on_heads(fake_group):
         ((2, 2, 16, 8), (2, 1, 32, 8)),  # v
         ((2, 1, 32, 8), (2, 2, 16, 8)),  # the output: heads -> sequence
     ], shapes
+
+
+def _sdpa_masks(gm) -> list:
+    from ulysses_compile.passes.detect_attention import SDPA_TARGETS, sdpa_arguments
+
+    calls = [sdpa_arguments(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+    return [("causal" if call.get("is_causal") else None, call.get("attn_mask")) for call in calls]
+
+
+class BandedAttention(nn.Module):
+    """A mask built from aranges that is not plain causal: each token sees itself and 3 before."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        positions = torch.arange(x.shape[1])
+        band = (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band).transpose(1, 2).flatten(2)
+
+
+def test_a_causal_mask_built_from_positions_alone_becomes_is_causal(fake_group):
+    fake_group(2)
+    ids, labels = token_batch(seq=32)
+    (gm,) = rewritten_graphs(tiny_llama(layers=2), (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    assert _sdpa_masks(gm) == [("causal", None)] * 2
+    assert "le" not in [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and
+                        hasattr(n.target, "__name__")]  # the mask's comparison of positions is gone
+    # A mask built from positions the caller passes depends on their values: kept.
+    positions = torch.arange(32).expand(2, -1)
+    (gm,) = rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "position_ids": positions,
+                                                         "use_cache": False})
+    ((causal, mask),) = _sdpa_masks(gm)
+    assert causal is None and mask is not None
+    (gm,) = rewritten_graphs(BandedAttention(), (torch.randn(2, 32, 32),))
+    ((causal, mask),) = _sdpa_masks(gm)
+    assert causal is None and mask is not None

@@ -22,6 +22,7 @@ from .passes.detect_attention import detect_attention
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
 from .passes.propagate_sharding import propagate_sharding
+from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .passes.regather_parameters import regather_parameters
@@ -32,6 +33,7 @@ log = logging.getLogger("ulysses_compile")
 PASSES = (
     decompose_multi_head_attention,
     recognize_flash_attention,
+    recognize_causal_mask,
     detect_attention,
     propagate_sharding,
     redistribute,
