@@ -240,7 +240,8 @@ def _line(row: dict) -> str:
     return (
         f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses {ours['seconds']:.2f} s, deepspeed "
         f"{peer['seconds']:.2f} s -> ulysses/deepspeed {ours['seconds'] / peer['seconds']:.2f}, parallel efficiency "
-        f"{one['seconds'] / P / ours['seconds']:.2f}; peak memory per rank ulysses {ours['peak_bytes'] / 2**20:.0f} MiB "
+        f"{one['seconds'] / P / ours['seconds']:.2f}; peak memory per rank ulysses "
+        f"{ours['peak_bytes'] / 2**20:.0f} MiB "
         f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
         f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "
         f"(formula {row['formula_calls']}), {row['all_to_all_bytes']:,} B (minimum {row['ulysses_minimum_bytes']:,}); "
@@ -264,7 +265,8 @@ def _plot(rows: list[dict], path: str) -> None:
             time_axis.plot(lengths, [row[name]["seconds"] for row in mine], style, label=f"{name} P={world_size}")
             memory_axis.plot(lengths, [row[name]["peak_bytes"] / 2**20 for row in mine], style,
                              label=f"{name} P={world_size}")
-        time_axis.plot(lengths, [row["one"]["seconds"] / world_size for row in mine], ":", label=f"one / {world_size}", marker="x")
+        time_axis.plot(lengths, [row["one"]["seconds"] / world_size for row in mine], ":x",
+                       label=f"one / {world_size}")
     lengths = sorted({row["S"] for row in rows})
     memory_axis.plot(lengths, [next(r["one"]["peak_bytes"] for r in rows if r["S"] == s) / 2**20 for s in lengths],
                      ":xk", label="one process")

@@ -85,7 +85,8 @@ class _RankPool:
             errors[-1] = f"ranks {sorted(set(range(self.world_size)) - done)} did not finish within {TIMEOUT_S} s"
         if errors:
             raise AssertionError(
-                "\n".join(f"-- rank {rank} --\n{error}" if rank >= 0 else error for rank, error in sorted(errors.items()))
+                "\n".join(f"-- rank {rank} --\n{error}" if rank >= 0 else error
+                          for rank, error in sorted(errors.items()))
             )
 
     def close(self) -> None:

@@ -56,7 +56,8 @@ def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
     (graph,) = report.graphs
     assert "seq_to_heads" not in graph.captured and "seq_to_heads" in graph.graphs["insert_all_to_all"]
     text = str(report)
-    assert f"ulysses_compile at P = {world_size} (rank {rank})" in text and "Ulysses minimum" in text and "1.00x" in text
+    assert f"ulysses_compile at P = {world_size} (rank {rank})" in text
+    assert "Ulysses minimum" in text and "1.00x" in text
 
 
 class RollingBlock(torch.nn.Module):

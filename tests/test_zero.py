@@ -224,7 +224,8 @@ def bf16_parameters_match_eager_autocast(rank, world_size):
         assert_close(f"rank {rank} bf16 grad {name}", grads[name], param.grad, rtol=BF16_RTOL)
     fp32 = tiny_llama(layers=1)  # the same initial values
     fp32(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-    error = max((grads[name] - param.grad).abs().max() / param.grad.abs().max() for name, param in fp32.named_parameters())
+    error = max((grads[name] - param.grad).abs().max() / param.grad.abs().max()
+                for name, param in fp32.named_parameters())
     assert error > 1e-3, f"gradients within {error:.1e} of fp32's: were the parameters not gathered in bf16?"
 
 

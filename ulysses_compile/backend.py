@@ -73,7 +73,8 @@ def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str |
 def aot(fw_compiler, bw_compiler):
     """AOTAutograd with Inductor's partitioner, so aot_eager saves and recomputes what Inductor would
     (ZeRO-3 re-gathers)."""
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=min_cut_rematerialization_partition)
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                        partition_fn=min_cut_rematerialization_partition)
 
 
 def _boxed_eager(gm: fx.GraphModule, example_inputs):

@@ -3,6 +3,7 @@
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext, detect_fake_mode
 from torch._inductor.compile_fx import compile_fx
@@ -41,6 +42,7 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "detect_fake_mode",
+    "dynamo_counters",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "statically_known_true",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import aot, rewrite
-from .compat import BackendCompilerFailed, FakeStore, make_boxed_func
+from .compat import BackendCompilerFailed, FakeStore, c10d_functional, dynamo_counters, make_boxed_func
 from .errors import UlyssesError
 from .options import Options
 from .report import CollectiveCall, Report, SiteReport, module_path
@@ -32,10 +32,10 @@ from .verify import differentiable_scalar
 
 # The functional collectives AOTAutograd leaves in the forward and backward programs.
 COLLECTIVE_OPS = {
-    torch.ops._c10d_functional.all_to_all_single.default: "all_to_all",
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+    c10d_functional.all_to_all_single.default: "all_to_all",
+    c10d_functional.all_gather_into_tensor.default: "all_gather",
+    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d_functional.all_reduce.default: "all_reduce",
 }
 
 
@@ -56,7 +56,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
     report = Report(world_size=world_size, rank=rank)
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    dynamo_counters.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         compiled = torch.compile(copy.deepcopy(model), backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
@@ -71,7 +71,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         dist.destroy_process_group()
         torch._dynamo.reset()
     report.graph_breaks = [f"{reason} (x{count})" for reason, count in
-                           torch._dynamo.utils.counters["graph_break"].items()]
+                           dynamo_counters["graph_break"].items()]
     return report
 
 
@@ -140,7 +140,8 @@ def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
         value = node.args[0].meta["val"]
         calls.append(CollectiveCall(
             phase=phase, kind=kind, purpose=(node.meta.get("custom") or {}).get("ulysses_collective", ""),
-            where=module_path(node), shape=tuple(as_int(size) for size in value.shape), dtype=str(value.dtype).removeprefix("torch."),
+            where=module_path(node), shape=tuple(as_int(size) for size in value.shape),
+            dtype=str(value.dtype).removeprefix("torch."),
             bytes=as_int(value.numel()) * value.element_size(),
         ))
     return calls
