@@ -289,7 +289,8 @@ def _copy_tensors(what: str, live: dict, saved: dict, values: dict | None = None
             value = saved[name]
             if not isinstance(target, torch.Tensor):
                 values[name] = value
-            elif isinstance(target, DTensor):
-                target.to_local().copy_(value.to_local())
-            else:
+                continue
+            if isinstance(target, DTensor):
+                target, value = target.to_local(), value.to_local()
+            if target.data_ptr() != value.data_ptr():
                 target.copy_(value)
