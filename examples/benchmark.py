@@ -9,11 +9,17 @@ training step (forward, backward) is timed (median of ``--steps`` after a warm-u
 
 - one:        one process, unsharded, ``torch.compile`` (Inductor), the threads of one rank, attention by
               SDPA's causal kernel (an HF attention function that ignores the mask HF builds);
-- ulysses:    P ranks, ``torch.compile(model, backend="ulysses")``, every rank passing the global batch;
+- ulysses:    P ranks, ``torch.compile(model, backend="ulysses", options={"outputs": OUTPUTS})``, every
+              rank passing the global batch. ``--outputs local`` (the default here) keeps the logits
+              sharded, as the peer's are; ``--outputs gather`` (the backend's default) also all-gathers
+              the [S, vocab] logits on every rank;
 - deepspeed:  P ranks, the same model in eager with its attention wrapped by DeepSpeed's
               ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
               sequence block, its position ids and pre-shifted labels, a hand-written global loss and
-              one flat all-reduce of the gradients.
+              one flat all-reduce of the gradients;
+- compute only: the ulysses program on P ranks whose process group is torch's fake one: collectives
+              move nothing, so this is each rank's share of the work with every rank computing at once
+              (on a shared machine, its contention included): the step time if communication were free.
 
 Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses, each
 rank's peak resident memory during a step (the largest rank) against one process, the all-to-all calls
@@ -98,14 +104,15 @@ def one_process(seq_len: int, steps: int, threads: int) -> dict:
     return {"seconds": median, "compile_seconds": first - median, "peak_bytes": max(peaks), "loss": losses[0]}
 
 
-def ulysses_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict:
+def ulysses_rank(rank: int, world_size: int, seq_len: int, steps: int, outputs: str) -> dict:
     from ulysses_compile import ulysses
 
     pass_seconds = []
 
     def backend(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs)
-        pass_seconds.append(sum(gm.meta["ulysses_report"].pass_seconds.values()))
+        compiled = ulysses(gm, example_inputs, {"outputs": outputs})
+        if "ulysses_report" in gm.meta:  # not at P = 1, where nothing is rewritten
+            pass_seconds.append(sum(gm.meta["ulysses_report"].pass_seconds.values()))
         return compiled
 
     model = torch.compile(build_model(seq_len), backend=backend)
@@ -164,23 +171,32 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict
     return {"seconds": median, "peak_bytes": max(peaks), "loss": losses[0]}
 
 
-def _rank(rank: int, world_size: int, port: int, peer: str, seq_len: int, steps: int, results) -> None:
+def _rank(rank: int, world_size: int, port: int, peer: str, seq_len: int, steps: int, outputs: str,
+          results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if peer == "compute_only":
+        from ulysses_compile.compat import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        measured = (ulysses_rank if peer == "ulysses" else deepspeed_rank)(rank, world_size, seq_len, steps)
+        if peer in ("ulysses", "compute_only"):
+            measured = ulysses_rank(rank, world_size, seq_len, steps, outputs)
+        else:
+            measured = deepspeed_rank(rank, world_size, seq_len, steps)
         results.put((rank, measured))
     finally:
         dist.destroy_process_group()
 
 
-def on_ranks(peer: str, world_size: int, seq_len: int, steps: int) -> list[dict]:
+def on_ranks(peer: str, world_size: int, seq_len: int, steps: int, outputs: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(world_size, port, peer, seq_len, steps, results), nprocs=world_size,
+    mp.start_processes(_rank, args=(world_size, port, peer, seq_len, steps, outputs, results), nprocs=world_size,
                        start_method="spawn")
     return [measured for _, measured in sorted(results.get() for _ in range(world_size))]
 
@@ -188,6 +204,8 @@ def on_ranks(peer: str, world_size: int, seq_len: int, steps: int) -> list[dict]
 def communication(world_size: int, seq_len: int) -> dict:
     from ulysses_compile import explain
 
+    if world_size == 1:
+        return {"all_to_all_calls": 0, "all_to_all_bytes": 0, "ulysses_minimum_bytes": 0, "formula_calls": 0}
     ids = token_ids(seq_len)
     report = explain(build_model(seq_len), input_ids=ids, labels=ids, use_cache=False, world_size=world_size)
     calls = sum(1 for call in report.collectives if call.kind == "all_to_all")
@@ -204,6 +222,8 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--outputs", choices=("local", "gather"), default="local",
+                        help="the ulysses option: keep the logits sharded (as the peer does) or gather them")
     parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
     args = parser.parse_args()
     rows = []
@@ -213,12 +233,14 @@ def main() -> None:
             log(f"S={seq_len} P={world_size}: one process with {threads} thread(s) ...")
             one = one_process(seq_len, args.steps, threads)
             log(f"  one: {one['seconds']:.2f} s/step; ulysses on {world_size} ranks ...")
-            ours = on_ranks("ulysses", world_size, seq_len, args.steps)
-            log(f"  ulysses: {ours[0]['seconds']:.2f} s/step; deepspeed on {world_size} ranks ...")
-            peer = on_ranks("deepspeed", world_size, seq_len, args.steps)
+            ours = on_ranks("ulysses", world_size, seq_len, args.steps, args.outputs)
+            log(f"  ulysses: {ours[0]['seconds']:.2f} s/step; ulysses without communication ...")
+            alone = on_ranks("compute_only", world_size, seq_len, args.steps, args.outputs)
+            log(f"  compute only: {alone[0]['seconds']:.2f} s/step; deepspeed on {world_size} ranks ...")
+            peer = on_ranks("deepspeed", world_size, seq_len, args.steps, args.outputs)
             log(f"  deepspeed: {peer[0]['seconds']:.2f} s/step; counting communication ...")
-            row = {"P": world_size, "S": seq_len, "threads_per_rank": threads, "one": one,
-                   "ulysses": _worst(ours), "deepspeed": _worst(peer), **communication(world_size, seq_len)}
+            row = {"P": world_size, "S": seq_len, "threads_per_rank": threads, "outputs": args.outputs, "one": one,
+                   "ulysses": _worst(ours), "compute_only": _worst(alone), "deepspeed": _worst(peer), **communication(world_size, seq_len)}
             rows.append(row)
             print(_line(row), flush=True)
     with open(f"{args.out}.json", "w") as out:
@@ -238,9 +260,12 @@ def _worst(per_rank: list[dict]) -> dict:
 def _line(row: dict) -> str:
     one, ours, peer, P = row["one"], row["ulysses"], row["deepspeed"], row["P"]
     return (
-        f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses {ours['seconds']:.2f} s, deepspeed "
+        f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses (outputs {row['outputs']}) "
+        f"{ours['seconds']:.2f} s, deepspeed "
         f"{peer['seconds']:.2f} s -> ulysses/deepspeed {ours['seconds'] / peer['seconds']:.2f}, parallel efficiency "
-        f"{one['seconds'] / P / ours['seconds']:.2f}; peak memory per rank ulysses "
+        f"{one['seconds'] / P / ours['seconds']:.2f} (compute only {row['compute_only']['seconds']:.2f} s: "
+        f"efficiency {one['seconds'] / P / row['compute_only']['seconds']:.2f} if communication were free); "
+        f"peak memory per rank ulysses "
         f"{ours['peak_bytes'] / 2**20:.0f} MiB "
         f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
         f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "

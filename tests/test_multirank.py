@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import nanogpt
 from op_probes import PROBES
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from multirank import assert_close, compare_model, run_ranks
+from ulysses_compile.compat import run_and_get_code
 
 pytestmark = pytest.mark.multirank
 
@@ -42,11 +44,31 @@ def equal_to_eager(rank, world_size, kind, compiler, options):
         model, args, kwargs = _hf_case(kind, world_size)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="ulysses", options={"compiler": compiler, **options})
-    got = _outputs(kind, compiled(*args, **kwargs))
-    got["loss"].backward()
+
+    def step():
+        result = _outputs(kind, compiled(*args, **kwargs))
+        result["loss"].backward()
+        return result
+
+    got, codes = run_and_get_code(step)
+    if compiler == "inductor" and kind == "llama":
+        _check_inductor_collectives(codes, layers=2)
     want = _outputs(kind, reference(*args, **kwargs))
     want["loss"].backward()
     compare_model(rank, model, reference, {k: (got[k], want[k]) for k in got})
+
+
+def _check_inductor_collectives(codes: list[str], layers: int) -> None:
+    """Inductor's forward and backward modules: 4 all-to-alls per layer each way, the logits gathered
+    once, the loss's two scalar sums, and every parameter gradient in one bucketed all-reduce."""
+    forward, backward = codes
+
+    def calls(code, op):
+        return len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))
+
+    assert [calls(forward, op) for op in ("all_to_all_single", "all_gather_into_tensor", "all_reduce_")] == [
+        4 * layers, 1, 2]
+    assert [calls(backward, op) for op in ("all_to_all_single", "all_reduce_")] == [4 * layers, 1]
 
 
 CASES = [

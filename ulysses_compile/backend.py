@@ -60,11 +60,17 @@ def _data_parallel(opts: Options) -> tuple[str, int] | None:
     return (group.group_name, group.size()) if group is not None and group.size() > 1 else None
 
 
+# One all-reduce (and one reduce-scatter) per bucket of gradients instead of one per parameter; the sums
+# are the same elementwise. All-gathers stay one per parameter so ZeRO-3 frees each after its use.
+BUCKETING = {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all"}
+
+
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
     if compiler == "inductor":
         from torch._inductor import list_mode_options
 
-        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
+        patches = {**BUCKETING, **(list_mode_options(mode) if mode else {})}
+        return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":
         return aot(_boxed_eager, _boxed_eager)(gm, example_inputs)
     return gm.forward

@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext, detect_fake_mode
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._logging import trace_structured
 from torch.distributed._functional_collectives import (
@@ -45,6 +46,7 @@ __all__ = [
     "dynamo_counters",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
+    "run_and_get_code",
     "statically_known_true",
     "sympy_interp",
     "trace_structured",
