@@ -4,6 +4,7 @@ parallelism on an unmodified model, with eager-equal losses, outputs and gradien
 from .backend import ulysses
 from .compat import register_torch_log
 from .errors import (
+    CollectiveError,
     DivisibilityError,
     InternalError,
     OptionsError,
@@ -20,6 +21,7 @@ from .zero import full_state_dict, load_sharded_state_dict, parallelize, sharded
 register_torch_log("ulysses_compile")
 
 __all__ = [
+    "CollectiveError",
     "DivisibilityError",
     "InternalError",
     "Options",

@@ -1,9 +1,15 @@
-"""Ranks that disagree get an error, not a hang: on the first call of each compiled graph, the ranks of
-the sequence-parallel group compare what they compiled (the captured graph and its input shapes and
-dtypes) with one small all-gather, before any collective of the graph runs.
+"""Ranks that disagree or fail get an error, not a hang or a wrong answer. Every call of a compiled
+graph goes through :func:`guarded`:
 
-A rank fed another batch shape, or running other code, would otherwise enter collectives of other sizes
-or in another order than its peers and wait for them forever.
+- on the first call, the ranks of the sequence-parallel group compare what they compiled (the captured
+  graph and its input shapes and dtypes) with one small all-gather, before any collective of the graph
+  runs. A rank fed another batch shape, or running other code, would otherwise enter collectives of
+  other sizes or in another order than its peers and wait for them forever;
+- a call after the graph's process group was destroyed is refused;
+- a collective that fails in the forward (another rank died, or the group's timeout ran out because a
+  rank raised or is stuck) becomes a :class:`CollectiveError` that says which rank and graph, the bound,
+  and what to do. The backward's collectives run inside the autograd engine, where the process group's
+  own error (e.g. gloo's "Timed out waiting 3000ms for recv operation") reaches ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -12,10 +18,15 @@ import hashlib
 import re
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from .collectives import gather_objects
-from .errors import RankMismatchError
+from .compat import _resolve_process_group
+from .errors import CollectiveError, RankMismatchError
+
+# How torch.distributed's backends word a failed collective (gloo raises plain RuntimeErrors).
+_COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|timed out|connection (closed|reset)|process group|broken pipe", re.I)
 
 
 def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
@@ -24,21 +35,57 @@ def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
         f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else repr(x)
         for x in example_inputs
     ]
-    names = [re.sub(r"^L_(kwargs_)?|_$", "", node.target) for node in gm.graph.nodes if node.op == "placeholder"]
-    return {"graph": hashlib.sha1(gm.code.encode()).hexdigest()[:12], "inputs": dict(zip(names, inputs))}
+    return {"graph": hashlib.sha1(gm.code.encode()).hexdigest()[:12], "inputs": dict(zip(input_names(gm), inputs))}
 
 
-def checked_first_call(compiled, expected: dict, group, rank: int):
+def input_names(gm: fx.GraphModule) -> list[str]:
+    """The graph's inputs as the user's code names them: ``input_ids``, ``model.embed_tokens.weight``
+    (Dynamo's placeholder ``L_args_0_modules_model_modules_embed_tokens_parameters_weight_``)."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            name = re.sub(r"^L_(kwargs_|args_0_modules_|self_modules_)?|_$", "", node.target)
+            names.append(re.sub(r"_(modules|parameters|buffers)_", ".", name))
+    return names
+
+
+def guarded(compiled, expected: dict, group, rank: int, graph_name: str):
     checked = False
+    group_name, world_size, timeout = group.group_name, group.size(), _timeout(group)
 
     def run(*args):
         nonlocal checked
-        if not checked:
-            _compare(gather_objects(expected, group), rank)
-            checked = True
-        return compiled(*args)
+        try:
+            _resolve_process_group(group_name)
+        except (RuntimeError, ValueError) as gone:
+            raise CollectiveError(
+                f"rank {rank}: {graph_name} was compiled for a process group of {world_size} ranks that has been "
+                f"destroyed; call torch._dynamo.reset() after init_process_group and compile the model again"
+            ) from gone
+        try:
+            if not checked:
+                _compare(gather_objects(expected, group), rank)
+                checked = True
+            return compiled(*args)
+        except RuntimeError as failure:
+            if isinstance(failure, CollectiveError) or not (
+                    isinstance(failure, dist.DistError) or _COLLECTIVE_FAILURE.search(str(failure))):
+                raise
+            raise CollectiveError(
+                f"rank {rank}: a collective of {graph_name} over {world_size} sequence-parallel ranks did not "
+                f"complete ({failure}). Another rank failed, was stopped or is stuck: look for its error "
+                f"first. The wait is bounded by the process group's timeout ({timeout}): "
+                f"init_process_group(timeout=...) or new_group(timeout=...)."
+            ) from failure
 
     return run
+
+
+def _timeout(group) -> str:
+    try:
+        return str(group._get_backend(torch.device("cpu")).options._timeout)
+    except (RuntimeError, AttributeError):
+        return "see init_process_group(timeout=...)"
 
 
 def _compare(seen: list[dict], rank: int) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import logging
 
+import torch
 import torch.fx as fx
 
-from .agreement import checked_first_call, fingerprint
-from .compat import aot_autograd, compile_fx, make_boxed_func, min_cut_rematerialization_partition
+from .agreement import fingerprint, guarded, input_names
+from .compat import CompileContext, aot_autograd, compile_fx, make_boxed_func, min_cut_rematerialization_partition
 from .context import PassContext
+from .errors import UnsupportedError
 from .options import Options
 from .pipeline import run_pipeline
 from .verify import verified
@@ -29,13 +31,14 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
             opts.compiler,
         )
         return inner_compile(gm, example_inputs, opts.compiler, mode)
+    _check_one_device(gm, example_inputs)
     original = copy.deepcopy(gm) if opts.verify else None
     expected = fingerprint(gm, example_inputs)
     ctx = rewrite(gm, example_inputs, opts, group)
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if original is not None:
         compiled = verified(compiled, original, ctx)
-    return checked_first_call(compiled, expected, group, ctx.rank)
+    return guarded(compiled, expected, group, ctx.rank, f"compiled graph {CompileContext.current_compile_id()}")
 
 
 def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> PassContext:
@@ -53,6 +56,21 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> PassCon
     run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = ctx.report
     return ctx
+
+
+def _check_one_device(gm: fx.GraphModule, example_inputs) -> None:
+    """Inputs on another device than the parameters; some ops (an embedding lookup) trace anyway."""
+    by_device: dict[str, list[str]] = {}
+    for name, value in zip(input_names(gm), example_inputs):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            by_device.setdefault(str(value.device), []).append(name)
+    if len(by_device) > 1:
+        where = "; ".join(f"{device}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                          for device, names in by_device.items())
+        raise UnsupportedError(
+            f"the graph's inputs and parameters are on {len(by_device)} devices ({where}); move the inputs to "
+            f"the parameters' device (tensor.to(device), model.to(device)) before calling the compiled model"
+        )
 
 
 def _data_parallel(opts: Options) -> tuple[str, int] | None:

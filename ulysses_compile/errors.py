@@ -27,3 +27,8 @@ class InternalError(UlyssesError):
 
 class RankMismatchError(UlyssesError):
     """The ranks of a sequence-parallel group compiled different programs (other shapes or code)."""
+
+
+class CollectiveError(UlyssesError):
+    """A collective of a compiled graph did not complete: its process group is gone, or another rank
+    failed, stopped or is stuck, and the group's timeout ran out."""

@@ -46,6 +46,13 @@ class Options:
             raise OptionsError(f"option verify={self.verify!r}: expected True or False")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise OptionsError(f"option dump_dir={self.dump_dir!r}: expected a folder path")
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise OptionsError(
+                f"option group: this rank (rank {dist.get_rank()} of the default group) is not a member of the "
+                f"group it was given (dist.new_group returns a placeholder to ranks outside the group); give "
+                f"each rank the group that contains it, e.g. create every group on every rank and pass "
+                f"each rank its own"
+            )
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise OptionsError(
                 f"option group={self.group!r}: expected a torch.distributed.ProcessGroup "
