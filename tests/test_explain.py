@@ -159,3 +159,14 @@ def test_cli_verify_passes_a_correct_program_and_catches_a_dropped_all_to_all(tm
     broken = _cli("verify", spec, "--world-size", "2", env={"ULYSSES_COMPILE_TEST_FAULT": "skip_output_all_to_all"})
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "output logits" in broken.stdout and "MISMATCH on ranks [0, 1]" in broken.stdout
+
+
+def test_cross_attention_minimum_counts_each_sequence(fake_group):
+    """Queries from 6 learned latents, keys and values from 30 tokens: each by its own all-to-all, and
+    the minimum counts each length (it once took the query's for all three, reporting 3.00x)."""
+    from test_bad_inputs import LatentQueries
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 30))
+    report = explain(LatentQueries(), ids, torch.tensor([0, 2]), world_size=2)
+    assert report.all_to_all_bytes() == report.ulysses_minimum_bytes == 2 * 2 * (3 * 4 + 2 * 15 * 4 + 6 * 2) * 8 * 4

@@ -118,16 +118,17 @@ def _site_report(site, world_size: int, rank: int) -> SiteReport:
 def _minimum_bytes(site, world_size: int, rank: int) -> int:
     """What this rank puts into Ulysses' four all-to-alls of one site, forward and backward. Forward: q,
     k, v of its sequence block for all heads and the output of its heads for the whole sequence; the
-    backward sends the mirror images: B x (S_r (H + 2 H_kv) + S H_r) x D and B x (S (H_r + 2 H_kv,r) +
-    S_r H) x D elements (2 x B x S/P x (2 H + 2 H_kv) x D when P divides everything)."""
+    backward sends the mirror images: B x (S_r H + 2 T_r H_kv + S H_r) x D and B x (S H_r + 2 T H_kv,r +
+    S_r H) x D elements, T the key/value length (2 x B x S/P x (2 H + 2 H_kv) x D when T = S and P
+    divides everything)."""
     query = sharding_of(site.query).global_value
-    seq = as_int(site.seq_len)
+    seq, kv_seq = as_int(site.seq_len), as_int(site.kv_seq_len)
     batch = query.numel() // (site.heads * seq * site.head_dim)
-    local_seq = block_sizes(seq, world_size)[rank]
+    local_seq, local_kv_seq = block_sizes(seq, world_size)[rank], block_sizes(kv_seq, world_size)[rank]
     local_heads = block_sizes(site.heads, world_size)[rank]
     local_kv_heads = block_sizes(site.kv_heads, world_size)[rank]
-    forward = local_seq * (site.heads + 2 * site.kv_heads) + seq * local_heads
-    backward = seq * (local_heads + 2 * local_kv_heads) + local_seq * site.heads
+    forward = local_seq * site.heads + 2 * local_kv_seq * site.kv_heads + seq * local_heads
+    backward = seq * local_heads + 2 * kv_seq * local_kv_heads + local_seq * site.heads
     return batch * (forward + backward) * site.head_dim * query.element_size()
 
 
