@@ -24,8 +24,6 @@ from models import tiny_llama, token_batch
 from multirank import compare_model, free_port, run_ranks
 from ulysses_compile import CollectiveError, OptionsError, RankMismatchError, UnsupportedError
 
-pytestmark = pytest.mark.multirank
-
 EAGER = {"compiler": "eager"}
 SHORT_TIMEOUT = datetime.timedelta(seconds=3)
 
@@ -54,6 +52,7 @@ def ranks_differ_in_dtype(rank, world_size):
     assert "input_ids: rank 0 (2, 32) int64, rank 1 (2, 32) int32" in str(error) and seconds < 30
 
 
+@pytest.mark.multirank
 def test_ranks_passing_other_dtypes_get_a_rank_mismatch_error():
     run_ranks(ranks_differ_in_dtype, 2)
 
@@ -65,6 +64,7 @@ def ranks_differ_in_code(rank, world_size):
     assert "compiled different programs" in str(error) and "run the same code" in str(error) and seconds < 30
 
 
+@pytest.mark.multirank
 def test_ranks_running_other_graphs_get_a_rank_mismatch_error():
     run_ranks(ranks_differ_in_code, 2)
 
@@ -81,6 +81,7 @@ def rank_outside_its_group(rank, world_size):
     assert "rank 1 of the default group) is not a member of the group" in str(error)
 
 
+@pytest.mark.multirank
 def test_a_group_the_rank_is_not_in_is_an_options_error():
     run_ranks(rank_outside_its_group, 2)
 
@@ -93,6 +94,7 @@ def inputs_on_another_device(rank, world_size):
     assert "move the inputs to the parameters' device" in str(error)
 
 
+@pytest.mark.multirank
 def test_inputs_on_another_device_than_the_parameters():
     run_ranks(inputs_on_another_device, 2)
 
@@ -219,6 +221,7 @@ UNUSUAL = [
 ]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name,note", UNUSUAL, ids=[name for name, _ in UNUSUAL])
 def test_models_without_a_splittable_sequence_equal_eager_with_a_note(name, note):
     run_ranks(unusual_model_equals_eager, 2, name, note)
@@ -236,6 +239,7 @@ def call_after_the_group_is_destroyed(rank, world_size):
     assert seconds < 1
 
 
+@pytest.mark.multirank
 def test_calling_after_the_process_group_is_destroyed():
     run_ranks(call_after_the_group_is_destroyed, 2)
 
@@ -262,6 +266,7 @@ def rank_raises_mid_step(rank, world_size, phase):
     assert SHORT_TIMEOUT.total_seconds() <= seconds < SHORT_TIMEOUT.total_seconds() + 10, seconds
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_rank_that_raises_mid_step_leaves_the_others_an_error_within_the_timeout(phase):
     run_ranks(rank_raises_mid_step, 2, phase)
@@ -280,6 +285,7 @@ def _killed_mid_step(rank, world_size, port, results):
     results.put((type(error).__name__, str(error), seconds))
 
 
+@pytest.mark.multirank
 def test_a_rank_killed_mid_step_leaves_the_others_an_error_in_seconds():
     """Killed, not raising: its sockets close, so the others' next collective fails at once (no timeout)."""
     context = mp.get_context("spawn")
@@ -318,5 +324,22 @@ def recompile_limit_reached(rank, world_size):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.multirank
 def test_recompile_limit_reached_falls_back_to_eager_on_every_rank():
     run_ranks(recompile_limit_reached, 2)
+
+
+class AttentionOnInputs(nn.Module):
+    def forward(self, query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+
+def test_symbolic_heads_are_an_unsupported_error(fake_group):
+    """Marking the heads dim dynamic makes the head split a symbol; only the sequence may be dynamic."""
+    fake_group(2)
+    qkv = [torch.randn(2, 4, 16, 8) for _ in range(3)]
+    for tensor in qkv:
+        torch._dynamo.mark_dynamic(tensor, 1)
+    error, _ = _raised(lambda: torch.compile(AttentionOnInputs(), backend="ulysses")(*qkv))
+    assert isinstance(error, UnsupportedError), error
+    assert "heads, key/value heads and head dim" in str(error) and "are symbolic" in str(error)
