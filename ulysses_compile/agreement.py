@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .collectives import gather_objects
-from .compat import _resolve_process_group
+from .compat import _resolve_process_group, process_group_timeout
 from .errors import CollectiveError, RankMismatchError
 
 # How torch.distributed's backends word a failed collective (gloo raises plain RuntimeErrors).
@@ -51,7 +51,7 @@ def input_names(gm: fx.GraphModule) -> list[str]:
 
 def guarded(compiled, expected: dict, group, rank: int, graph_name: str):
     checked = False
-    group_name, world_size, timeout = group.group_name, group.size(), _timeout(group)
+    group_name, world_size, timeout = group.group_name, group.size(), process_group_timeout(group)
 
     def run(*args):
         nonlocal checked
@@ -79,13 +79,6 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str):
             ) from failure
 
     return run
-
-
-def _timeout(group) -> str:
-    try:
-        return str(group._get_backend(torch.device("cpu")).options._timeout)
-    except (RuntimeError, AttributeError):
-        return "see init_process_group(timeout=...)"
 
 
 def _compare(seen: list[dict], rank: int) -> None:

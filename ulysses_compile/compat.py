@@ -63,3 +63,11 @@ def register_torch_log(name: str) -> None:
 
     if name not in log_registry.log_alias_to_log_qnames:
         register_log(name, name)
+
+
+def process_group_timeout(group) -> str:
+    """How long the group's collectives wait for the other ranks (its CPU backend's option)."""
+    try:
+        return str(group._get_backend(torch.device("cpu")).options._timeout)
+    except (RuntimeError, AttributeError):
+        return "see init_process_group(timeout=...)"
