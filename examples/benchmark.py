@@ -240,7 +240,8 @@ def main() -> None:
             peer = on_ranks("deepspeed", world_size, seq_len, args.steps, args.outputs)
             log(f"  deepspeed: {peer[0]['seconds']:.2f} s/step; counting communication ...")
             row = {"P": world_size, "S": seq_len, "threads_per_rank": threads, "outputs": args.outputs, "one": one,
-                   "ulysses": _worst(ours), "compute_only": _worst(alone), "deepspeed": _worst(peer), **communication(world_size, seq_len)}
+                   "ulysses": _worst(ours), "compute_only": _worst(alone), "deepspeed": _worst(peer),
+                   **communication(world_size, seq_len)}
             rows.append(row)
             print(_line(row), flush=True)
     with open(f"{args.out}.json", "w") as out:
