@@ -5,10 +5,11 @@ one process, side by side on P CPU (gloo) ranks.
     python examples/benchmark.py --world-sizes 2 4 --seq-lens 2048 4096 8192 --out bench
 
 For a transformers Llama (hidden 256, 4 layers, 8 heads, vocab 8192) and one sequence of S tokens, a
-training step (forward, backward) is timed (median of ``--steps`` after a warm-up step):
+training step (forward, backward) is timed: the median of ``--steps`` after a warm-up step that compiles.
+Every configuration runs in fresh processes, each with the threads of one of P ranks:
 
-- one:        one process, unsharded, ``torch.compile`` (Inductor), the threads of one rank, attention by
-              SDPA's causal kernel (an HF attention function that ignores the mask HF builds);
+- one:        one process, unsharded, ``torch.compile`` (Inductor), attention by SDPA's causal kernel (an
+              HF attention function that ignores the mask HF builds);
 - ulysses:    P ranks, ``torch.compile(model, backend="ulysses", options={"outputs": OUTPUTS})``, every
               rank passing the global batch. ``--outputs local`` (the default here) keeps the logits
               sharded, as the peer's are; ``--outputs gather`` (the backend's default) also all-gathers
@@ -21,11 +22,14 @@ training step (forward, backward) is timed (median of ``--steps`` after a warm-u
               move nothing, so this is each rank's share of the work with every rank computing at once
               (on a shared machine, its contention included): the step time if communication were free.
 
-Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses, each
-rank's peak resident memory during a step (the largest rank) against one process, the all-to-all calls
-and bytes of the compiled program against the Ulysses minimum (``explain``), and the compile time with
-the share of our passes. A JSON file and a PNG plot are written next to ``--out``. The three losses
-are printed too: they must agree.
+``--repeats R`` times the four in turn R times and keeps each one's median run, so a slow minute of a
+shared machine does not land on one configuration only. Memory is measured in separate runs (see
+``on_ranks``): the peak resident memory growth of a step, the largest rank's.
+
+Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses, the
+peak memories against one process, the all-to-all calls and bytes of the compiled program against the
+Ulysses minimum (``explain``), and the compile time with the share of our passes. A JSON file and a PNG
+plot are written next to ``--out``. The three losses are printed too: they must agree.
 """
 
 from __future__ import annotations
@@ -38,13 +42,12 @@ import statistics
 import sys
 import time
 
-from zero_memory import peak_bytes  # also sets the allocator's threshold for every rank
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from zero_memory import peak_bytes
 
 VOCAB = 8192
 
@@ -71,17 +74,21 @@ def token_ids(seq_len: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(0))
 
 
-def timed_steps(step, steps: int) -> tuple[float, float, list[float]]:
-    """(first step's seconds, median of the next ``steps``, their peak memory growths)."""
+def measured(step, measure: str, steps: int) -> dict:
+    """Run ``step`` once (it compiles), then ``steps`` more: their median seconds (``measure="time"``) or
+    their largest peak memory growth (``measure="memory"``)."""
     started = time.perf_counter()
     step()
     first = time.perf_counter() - started
-    times, peaks = [], []
+    if measure == "memory":
+        return {"peak_bytes": max(peak_bytes(step) for _ in range(steps))}
+    times = []
     for _ in range(steps):
         started = time.perf_counter()
-        peaks.append(peak_bytes(step))
+        step()
         times.append(time.perf_counter() - started)
-    return first, statistics.median(times), peaks
+    median = statistics.median(times)
+    return {"seconds": median, "compile_seconds": first - median}
 
 
 def training_step(model, ids: torch.Tensor, losses: list):
@@ -96,15 +103,12 @@ def training_step(model, ids: torch.Tensor, losses: list):
     return step
 
 
-def one_process(seq_len: int, steps: int, threads: int) -> dict:
-    torch.set_num_threads(threads)
+def one_process(rank: int, world_size: int, seq_len: int, outputs: str, losses: list):
     model = torch.compile(build_model(seq_len, attention="causal_sdpa"))
-    losses = []
-    first, median, peaks = timed_steps(training_step(model, token_ids(seq_len), losses), steps)
-    return {"seconds": median, "compile_seconds": first - median, "peak_bytes": max(peaks), "loss": losses[0]}
+    return training_step(model, token_ids(seq_len), losses), {}
 
 
-def ulysses_rank(rank: int, world_size: int, seq_len: int, steps: int, outputs: str) -> dict:
+def ulysses_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses: list):
     from ulysses_compile import ulysses
 
     pass_seconds = []
@@ -116,13 +120,10 @@ def ulysses_rank(rank: int, world_size: int, seq_len: int, steps: int, outputs: 
         return compiled
 
     model = torch.compile(build_model(seq_len), backend=backend)
-    losses = []
-    first, median, peaks = timed_steps(training_step(model, token_ids(seq_len), losses), steps)
-    return {"seconds": median, "compile_seconds": first - median, "pass_seconds": sum(pass_seconds),
-            "peak_bytes": max(peaks), "loss": losses[0]}
+    return training_step(model, token_ids(seq_len), losses), {"pass_seconds": pass_seconds}
 
 
-def deepspeed_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict:
+def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses: list):
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
     from torch.distributed.nn.functional import all_reduce
@@ -153,7 +154,6 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict
     total_tokens = tokens.clone()
     dist.all_reduce(total_tokens)
     parameters = [p for p in model.parameters() if p.requires_grad]
-    losses = []
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -167,38 +167,64 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, steps: int) -> dict
             p.grad.copy_(synced)
         losses.append(loss.item())
 
-    first, median, peaks = timed_steps(step, steps)
-    return {"seconds": median, "peak_bytes": max(peaks), "loss": losses[0]}
+    return step, {}
 
 
-def _rank(rank: int, world_size: int, port: int, peer: str, seq_len: int, steps: int, outputs: str,
-          results) -> None:
+CONFIGURATIONS = {"one": one_process, "ulysses": ulysses_rank, "compute_only": ulysses_rank,
+                  "deepspeed": deepspeed_rank}
+
+
+def _rank(rank: int, world_size: int, port: int, config: str, measure: str, seq_len: int, steps: int,
+          outputs: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if peer == "compute_only":
+    torch.set_num_threads(threads_per_rank(world_size))
+    if config == "compute_only":
         from ulysses_compile.compat import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    else:
+    elif config != "one":
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        if peer in ("ulysses", "compute_only"):
-            measured = ulysses_rank(rank, world_size, seq_len, steps, outputs)
-        else:
-            measured = deepspeed_rank(rank, world_size, seq_len, steps)
-        results.put((rank, measured))
+        losses = []
+        step, extras = CONFIGURATIONS[config](rank, world_size, seq_len, outputs, losses)
+        figures = measured(step, measure, steps)
+        results.put((rank, {**figures, **{name: sum(values) for name, values in extras.items()},
+                            "loss": losses[0]}))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def on_ranks(peer: str, world_size: int, seq_len: int, steps: int, outputs: str) -> list[dict]:
+def threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def on_ranks(config: str, measure: str, ranks: int, world_size: int, seq_len: int, steps: int,
+             outputs: str) -> dict:
+    """``config`` measured on ``ranks`` fresh processes, each with the threads of one of ``world_size``
+    ranks: the slowest rank's time or the largest rank's memory (every rank waits for the slowest).
+    glibc's allocator returns every block over 64 KiB at once in memory runs only, so freed tensors
+    do not linger into the measured peak; it costs time (page faults), so time runs keep its default."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(world_size, port, peer, seq_len, steps, outputs, results), nprocs=world_size,
-                       start_method="spawn")
-    return [measured for _, measured in sorted(results.get() for _ in range(world_size))]
+    previous = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if measure == "memory":
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by each spawned rank's allocator
+    try:
+        mp.start_processes(_rank, args=(world_size, port, config, measure, seq_len, steps, outputs, results),
+                           nprocs=ranks, start_method="spawn")
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if previous is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    per_rank = [figures for _, figures in sorted(results.get() for _ in range(ranks))]
+    worst = dict(per_rank[0])
+    for name in ("seconds", "peak_bytes"):
+        if name in worst:
+            worst[name] = max(figures[name] for figures in per_rank)
+    return worst
 
 
 def communication(world_size: int, seq_len: int) -> dict:
@@ -222,6 +248,8 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every configuration this many times, in turn, and keep each one's median")
     parser.add_argument("--outputs", choices=("local", "gather"), default="local",
                         help="the ulysses option: keep the logits sharded (as the peer does) or gather them")
     parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
@@ -229,33 +257,31 @@ def main() -> None:
     rows = []
     for seq_len in args.seq_lens:
         for world_size in args.world_sizes:
-            threads = max(1, (os.cpu_count() or 1) // world_size)
-            log(f"S={seq_len} P={world_size}: one process with {threads} thread(s) ...")
-            one = one_process(seq_len, args.steps, threads)
-            log(f"  one: {one['seconds']:.2f} s/step; ulysses on {world_size} ranks ...")
-            ours = on_ranks("ulysses", world_size, seq_len, args.steps, args.outputs)
-            log(f"  ulysses: {ours[0]['seconds']:.2f} s/step; ulysses without communication ...")
-            alone = on_ranks("compute_only", world_size, seq_len, args.steps, args.outputs)
-            log(f"  compute only: {alone[0]['seconds']:.2f} s/step; deepspeed on {world_size} ranks ...")
-            peer = on_ranks("deepspeed", world_size, seq_len, args.steps, args.outputs)
-            log(f"  deepspeed: {peer[0]['seconds']:.2f} s/step; counting communication ...")
-            row = {"P": world_size, "S": seq_len, "threads_per_rank": threads, "outputs": args.outputs, "one": one,
-                   "ulysses": _worst(ours), "compute_only": _worst(alone), "deepspeed": _worst(peer),
-                   **communication(world_size, seq_len)}
+            row = {"P": world_size, "S": seq_len, "threads_per_rank": threads_per_rank(world_size),
+                   "outputs": args.outputs, "repeats": args.repeats}
+            timings = {config: [] for config in CONFIGURATIONS}
+            for repeat in range(args.repeats):
+                for config in CONFIGURATIONS:
+                    log(f"S={seq_len} P={world_size}: timing {config} ({repeat + 1}/{args.repeats}) ...")
+                    ranks = 1 if config == "one" else world_size
+                    timings[config].append(on_ranks(config, "time", ranks, world_size, seq_len, args.steps,
+                                                    args.outputs))
+                    log(f"  {timings[config][-1]['seconds']:.2f} s/step")
+            for config, runs in timings.items():
+                row[config] = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+                row[config]["seconds_per_repeat"] = [run["seconds"] for run in runs]
+            for config in ("one", "ulysses", "deepspeed"):
+                log(f"S={seq_len} P={world_size}: peak memory of {config} ...")
+                ranks = 1 if config == "one" else world_size
+                row[config]["peak_bytes"] = on_ranks(config, "memory", ranks, world_size, seq_len, 2,
+                                                     args.outputs)["peak_bytes"]
+            row.update(communication(world_size, seq_len))
             rows.append(row)
             print(_line(row), flush=True)
     with open(f"{args.out}.json", "w") as out:
         json.dump(rows, out, indent=2)
     _plot(rows, f"{args.out}.png")
     log(f"wrote {args.out}.json and {args.out}.png")
-
-
-def _worst(per_rank: list[dict]) -> dict:
-    """The slowest rank's time and the largest rank's memory (every rank waits for the slowest)."""
-    worst = dict(per_rank[0])
-    worst["seconds"] = max(r["seconds"] for r in per_rank)
-    worst["peak_bytes"] = max(r["peak_bytes"] for r in per_rank)
-    return worst
 
 
 def _line(row: dict) -> str:

@@ -24,12 +24,10 @@ import os
 import re
 import socket
 
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each spawned rank's allocator
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def build_model(seq_len: int) -> LlamaForCausalLM:
@@ -123,6 +121,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each spawned rank's allocator
     mp.start_processes(run, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
 
 
