@@ -199,16 +199,16 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def on_ranks(config: str, measure: str, ranks: int, world_size: int, seq_len: int, steps: int,
-             outputs: str) -> dict:
-    """``config`` measured on ``ranks`` fresh processes, each with the threads of one of ``world_size``
-    ranks: the slowest rank's time or the largest rank's memory (every rank waits for the slowest).
+def on_ranks(config: str, measure: str, world_size: int, seq_len: int, steps: int, outputs: str) -> dict:
+    """``config`` measured on fresh processes (one for "one", else ``world_size``), each with the threads
+    of one of ``world_size`` ranks: the slowest rank's time or the largest rank's memory (every rank waits for the slowest).
     glibc's allocator returns every block over 64 KiB at once in memory runs only, so freed tensors
     do not linger into the measured peak; it costs time (page faults), so time runs keep its default."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
+    ranks = 1 if config == "one" else world_size
     previous = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     if measure == "memory":
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by each spawned rank's allocator
@@ -263,17 +263,14 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for config in CONFIGURATIONS:
                     log(f"S={seq_len} P={world_size}: timing {config} ({repeat + 1}/{args.repeats}) ...")
-                    ranks = 1 if config == "one" else world_size
-                    timings[config].append(on_ranks(config, "time", ranks, world_size, seq_len, args.steps,
-                                                    args.outputs))
+                    timings[config].append(on_ranks(config, "time", world_size, seq_len, args.steps, args.outputs))
                     log(f"  {timings[config][-1]['seconds']:.2f} s/step")
             for config, runs in timings.items():
                 row[config] = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
                 row[config]["seconds_per_repeat"] = [run["seconds"] for run in runs]
             for config in ("one", "ulysses", "deepspeed"):
                 log(f"S={seq_len} P={world_size}: peak memory of {config} ...")
-                ranks = 1 if config == "one" else world_size
-                row[config]["peak_bytes"] = on_ranks(config, "memory", ranks, world_size, seq_len, 2,
+                row[config]["peak_bytes"] = on_ranks(config, "memory", world_size, seq_len, 2,
                                                      args.outputs)["peak_bytes"]
             row.update(communication(world_size, seq_len))
             rows.append(row)
