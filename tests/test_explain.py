@@ -144,7 +144,8 @@ def test_cli_explain_on_a_model_file(tmp_path):
     logged = "".join(path.read_text() for path in trace.iterdir())  # tlparse's input
     assert "ulysses_compile_insert_all_to_all" in logged and "ulysses_compile_report" in logged
 
-    assert _cli("--help").returncode == 0 and "verify" in _cli("--help").stdout
+    usage = _cli("--help")
+    assert usage.returncode == 0 and "verify" in usage.stdout
     missing = _cli("explain", f"{tmp_path}/model.py:build", "--world-size", "4")
     assert missing.returncode == 2 and "defines no function 'build'" in missing.stderr
 
