@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from zero_memory import peak_bytes
+from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, peak_bytes
 
 VOCAB = 8192
 
@@ -209,16 +209,16 @@ def on_ranks(config: str, measure: str, world_size: int, seq_len: int, steps: in
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
     ranks = 1 if config == "one" else world_size
-    previous = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    previous = os.environ.pop(MMAP_THRESHOLD_ENV, None)
     if measure == "memory":
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by each spawned rank's allocator
+        os.environ[MMAP_THRESHOLD_ENV] = MMAP_THRESHOLD  # read by each spawned rank's allocator
     try:
         mp.start_processes(_rank, args=(world_size, port, config, measure, seq_len, steps, outputs, results),
                            nprocs=ranks, start_method="spawn")
     finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        os.environ.pop(MMAP_THRESHOLD_ENV, None)
         if previous is not None:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+            os.environ[MMAP_THRESHOLD_ENV] = previous
     per_rank = [figures for _, figures in sorted(results.get() for _ in range(ranks))]
     worst = dict(per_rank[0])
     for name in ("seconds", "peak_bytes"):

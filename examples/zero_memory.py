@@ -29,6 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# glibc's allocator, told to return every block over 64 KiB at once, so freed tensors do not linger in
+# it; read when a process starts.
+MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", str(64 * 1024)
+
 
 def build_model(seq_len: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
@@ -121,7 +125,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each spawned rank's allocator
+    os.environ.setdefault(MMAP_THRESHOLD_ENV, MMAP_THRESHOLD)
     mp.start_processes(run, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
 
 
