@@ -18,18 +18,22 @@ Every configuration runs in fresh processes, each with the threads of one of P r
               ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
               sequence block, its position ids and pre-shifted labels, a hand-written global loss and
               one flat all-reduce of the gradients;
-- compute only: the ulysses program on P ranks whose process group is torch's fake one: collectives
-              move nothing, so this is each rank's share of the work with every rank computing at once
-              (on a shared machine, its contention included): the step time if communication were free.
+- ulysses_compute_only, deepspeed_compute_only: the two programs on P ranks whose process group is
+              torch's fake one: collectives move nothing, so this is each rank's share of the work with
+              every rank computing at once (on a shared machine, its contention included): the step
+              time if communication were free. Its difference to the real run is what a program pays
+              for communicating, and the ulysses one bounds what any communication lever can win.
 
-``--repeats R`` times the four in turn R times and keeps each one's median run, so a slow minute of a
+``--repeats R`` times the five in turn R times and keeps each one's median run, so a slow minute of a
 shared machine does not land on one configuration only. Memory is measured in separate runs (see
 ``on_ranks``): the peak resident memory growth of a step, the largest rank's.
 
-Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses, the
-peak memories against one process, the all-to-all calls and bytes of the compiled program against the
-Ulysses minimum (``explain``), and the compile time with the share of our passes. A JSON file and a PNG
-plot are written next to ``--out``. The three losses are printed too: they must agree.
+Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses (at
+most cores / P where the ranks outnumber the cores), what each program's communication costs (its time
+less its compute-only time), the peak memories against one process, the all-to-all calls and bytes of
+the compiled program against the Ulysses minimum (``explain``), and the compile time with the share of
+our passes. A JSON file and a PNG plot are written next to ``--out``. The three losses are printed too:
+they must agree.
 """
 
 from __future__ import annotations
@@ -170,15 +174,15 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losse
     return step, {}
 
 
-CONFIGURATIONS = {"one": one_process, "ulysses": ulysses_rank, "compute_only": ulysses_rank,
-                  "deepspeed": deepspeed_rank}
+CONFIGURATIONS = {"one": one_process, "ulysses": ulysses_rank, "ulysses_compute_only": ulysses_rank,
+                  "deepspeed": deepspeed_rank, "deepspeed_compute_only": deepspeed_rank}
 
 
 def _rank(rank: int, world_size: int, port: int, config: str, measure: str, seq_len: int, steps: int,
           outputs: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world_size))
-    if config == "compute_only":
+    if config.endswith("compute_only"):
         from ulysses_compile.compat import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -283,12 +287,16 @@ def main() -> None:
 
 def _line(row: dict) -> str:
     one, ours, peer, P = row["one"], row["ulysses"], row["deepspeed"], row["P"]
+    ours_free, peer_free = row["ulysses_compute_only"]["seconds"], row["deepspeed_compute_only"]["seconds"]
+    cores = os.cpu_count() or 1
+    shared = f" ({P} ranks share {cores} cores: efficiency at most {cores / P:.2f})" if P > cores else ""
     return (
         f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses (outputs {row['outputs']}) "
         f"{ours['seconds']:.2f} s, deepspeed "
         f"{peer['seconds']:.2f} s -> ulysses/deepspeed {ours['seconds'] / peer['seconds']:.2f}, parallel efficiency "
-        f"{one['seconds'] / P / ours['seconds']:.2f} (compute only {row['compute_only']['seconds']:.2f} s: "
-        f"efficiency {one['seconds'] / P / row['compute_only']['seconds']:.2f} if communication were free); "
+        f"{one['seconds'] / P / ours['seconds']:.2f}{shared}; compute only: ulysses {ours_free:.2f} s "
+        f"(efficiency {one['seconds'] / P / ours_free:.2f} if communication were free), deepspeed {peer_free:.2f} s; "
+        f"communication costs ulysses {ours['seconds'] - ours_free:+.2f} s, deepspeed {peer['seconds'] - peer_free:+.2f} s; "
         f"peak memory per rank ulysses "
         f"{ours['peak_bytes'] / 2**20:.0f} MiB "
         f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
