@@ -24,7 +24,7 @@ Every configuration runs in fresh processes, each with the threads of one of P r
               time if communication were free. Its difference to the real run is what a program pays
               for communicating, and the ulysses one bounds what any communication lever can win.
 
-``--repeats R`` times the five in turn R times and keeps each one's median run, so a slow minute of a
+``--repeats R`` times the five (three at P = 1) in turn R times and keeps each one's median run, so a slow minute of a
 shared machine does not land on one configuration only. Memory is measured in separate runs (see
 ``on_ranks``): the peak resident memory growth of a step, the largest rank's.
 
@@ -203,14 +203,18 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def on_ranks(config: str, measure: str, world_size: int, seq_len: int, steps: int, outputs: str) -> dict:
     """``config`` measured on fresh processes (one for "one", else ``world_size``), each with the threads
     of one of ``world_size`` ranks: the slowest rank's time or the largest rank's memory (every rank waits for the slowest).
     glibc's allocator returns every block over 64 KiB at once in memory runs only, so freed tensors
     do not linger into the measured peak; it costs time (page faults), so time runs keep its default."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     ranks = 1 if config == "one" else world_size
     previous = os.environ.pop(MMAP_THRESHOLD_ENV, None)
@@ -263,9 +267,10 @@ def main() -> None:
         for world_size in args.world_sizes:
             row = {"P": world_size, "S": seq_len, "threads_per_rank": threads_per_rank(world_size),
                    "outputs": args.outputs, "repeats": args.repeats}
-            timings = {config: [] for config in CONFIGURATIONS}
+            timings = {config: [] for config in CONFIGURATIONS  # one rank communicates nothing
+                       if world_size > 1 or not config.endswith("compute_only")}
             for repeat in range(args.repeats):
-                for config in CONFIGURATIONS:
+                for config in timings:
                     log(f"S={seq_len} P={world_size}: timing {config} ({repeat + 1}/{args.repeats}) ...")
                     timings[config].append(on_ranks(config, "time", world_size, seq_len, args.steps, args.outputs))
                     log(f"  {timings[config][-1]['seconds']:.2f} s/step")
@@ -287,17 +292,21 @@ def main() -> None:
 
 def _line(row: dict) -> str:
     one, ours, peer, P = row["one"], row["ulysses"], row["deepspeed"], row["P"]
-    ours_free, peer_free = row["ulysses_compute_only"]["seconds"], row["deepspeed_compute_only"]["seconds"]
     cores = os.cpu_count() or 1
     shared = f" ({P} ranks share {cores} cores: efficiency at most {cores / P:.2f})" if P > cores else ""
+    communicating = ""
+    if P > 1:
+        ours_free, peer_free = row["ulysses_compute_only"]["seconds"], row["deepspeed_compute_only"]["seconds"]
+        communicating = (
+            f"; compute only: ulysses {ours_free:.2f} s (efficiency {one['seconds'] / P / ours_free:.2f} if "
+            f"communication were free), deepspeed {peer_free:.2f} s; communication costs ulysses "
+            f"{ours['seconds'] - ours_free:+.2f} s, deepspeed {peer['seconds'] - peer_free:+.2f} s"
+        )
     return (
         f"P={P} S={row['S']}: step one {one['seconds']:.2f} s, ulysses (outputs {row['outputs']}) "
         f"{ours['seconds']:.2f} s, deepspeed "
         f"{peer['seconds']:.2f} s -> ulysses/deepspeed {ours['seconds'] / peer['seconds']:.2f}, parallel efficiency "
-        f"{one['seconds'] / P / ours['seconds']:.2f}{shared}; compute only: ulysses {ours_free:.2f} s "
-        f"(efficiency {one['seconds'] / P / ours_free:.2f} if communication were free), deepspeed {peer_free:.2f} s; "
-        f"communication costs ulysses {ours['seconds'] - ours_free:+.2f} s, deepspeed {peer['seconds'] - peer_free:+.2f} s; "
-        f"peak memory per rank ulysses "
+        f"{one['seconds'] / P / ours['seconds']:.2f}{shared}{communicating}; peak memory per rank ulysses "
         f"{ours['peak_bytes'] / 2**20:.0f} MiB "
         f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
         f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "

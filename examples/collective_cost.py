@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 import torch.multiprocessing as mp
-from benchmark import build_model, threads_per_rank
+from benchmark import build_model, free_port, threads_per_rank
 
 
 def _median_ms(call, repeats: int) -> float:
@@ -75,9 +74,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_rank, args=(args.world_size, port, args.seq_len, args.repeats, results),
                        nprocs=args.world_size, start_method="spawn")
