@@ -24,8 +24,8 @@ Every configuration runs in fresh processes, each with the threads of one of P r
               time if communication were free. Its difference to the real run is what a program pays
               for communicating, and the ulysses one bounds what any communication lever can win.
 
-``--repeats R`` times the five (three at P = 1) in turn R times and keeps each one's median run, so a slow minute of a
-shared machine does not land on one configuration only. Memory is measured in separate runs (see
+``--repeats R`` times the five (three at P = 1) in turn R times and keeps each one's median run, so a
+slow minute of a shared machine does not land on one configuration only. Memory is measured in separate runs (see
 ``on_ranks``): the peak resident memory growth of a step, the largest rank's.
 
 Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses (at
@@ -176,13 +176,14 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losse
 
 CONFIGURATIONS = {"one": one_process, "ulysses": ulysses_rank, "ulysses_compute_only": ulysses_rank,
                   "deepspeed": deepspeed_rank, "deepspeed_compute_only": deepspeed_rank}
+COMPUTE_ONLY = ("ulysses_compute_only", "deepspeed_compute_only")  # on torch's fake process group
 
 
 def _rank(rank: int, world_size: int, port: int, config: str, measure: str, seq_len: int, steps: int,
           outputs: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world_size))
-    if config.endswith("compute_only"):
+    if config in COMPUTE_ONLY:
         from ulysses_compile.compat import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -268,7 +269,7 @@ def main() -> None:
             row = {"P": world_size, "S": seq_len, "threads_per_rank": threads_per_rank(world_size),
                    "outputs": args.outputs, "repeats": args.repeats}
             timings = {config: [] for config in CONFIGURATIONS  # one rank communicates nothing
-                       if world_size > 1 or not config.endswith("compute_only")}
+                       if world_size > 1 or config not in COMPUTE_ONLY}
             for repeat in range(args.repeats):
                 for config in timings:
                     log(f"S={seq_len} P={world_size}: timing {config} ({repeat + 1}/{args.repeats}) ...")
