@@ -19,6 +19,7 @@ from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
 from .passes.decompose_multi_head_attention import decompose_multi_head_attention
 from .passes.detect_attention import detect_attention
+from .passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
 from .passes.propagate_sharding import propagate_sharding
@@ -42,6 +43,7 @@ PASSES = (
     insert_all_to_all,
     localize_ops,
     check_local_shapes,
+    recompute_inserted_nodes,
 )
 
 
@@ -50,6 +52,7 @@ REPLICATED_PASSES = (average_data_parallel_grads, regather_parameters)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    _run(inline_checkpoint_regions, gm, ctx)
     if ctx.world_size == 1:
         ctx.report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
         _run_replicated(gm, ctx)

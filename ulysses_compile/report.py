@@ -45,6 +45,7 @@ class GraphReport:
     replicated: str = ""  # why the whole graph runs unsplit on every rank, if it does
     gathered_outputs: list[str] = field(default_factory=list)  # sharded graph outputs that are gathered
     fallbacks: list[Fallback] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     collectives: list[Collective] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     captured: str = ""  # the graph's code as Dynamo captured it
@@ -63,6 +64,7 @@ class GraphReport:
         lines += [f"gathered output: {line}" for line in self.gathered_outputs]
         lines.append(f"fallbacks: {len(self.fallbacks)}")
         lines += [f"  {f}" for f in self.fallbacks]
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 

@@ -1,0 +1,125 @@
+"""Open up activation-checkpointed regions, so every later pass sees the attention inside them.
+
+Dynamo captures ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` (transformers'
+``gradient_checkpointing_enable()``, torchtitan's and nanoGPT-style wrappers) as one higher-order op whose
+body is a subgraph, opaque to the passes. This pass copies each body into the graph in place of the
+call and tags the copied nodes ``recompute = PREFER_RECOMPUTE`` with one ``ac_graph_id`` per region:
+the tags AOTAutograd itself puts on a region's ops when it traces the higher-order op, so its
+partitioner keeps only the region's inputs and recomputes the rest in the backward, as checkpointing
+would. Nodes later passes insert inside a region (the all-to-alls) get its tags from
+``recompute_inserted_nodes``, so the backward recomputes them too, as DeepSpeed's checkpointing does.
+
+Before (a Dynamo graph)::
+
+    wrap_body_0 = self.wrap_body_0
+    tag_activation_checkpoint = torch.ops.higher_order.tag_activation_checkpoint(wrap_body_0, x, weight,
+                                                                                 use_reentrant=False)
+    y = tag_activation_checkpoint[0]
+
+    # wrap_body_0: def forward(self, l_x_, l_weight_): linear = torch._C._nn.linear(l_x_, l_weight_); ...
+
+After (golden: ``tests/test_structure.py::test_checkpointed_region_is_inlined``)::
+
+    linear = torch._C._nn.linear(x, weight)    # meta: recompute=PREFER_RECOMPUTE, ac_graph_id=1
+    ...
+    y = sdpa_out_projection                     # the body's output, in place of the getitem
+
+A region checkpointed with a ``context_fn`` (selective checkpointing) keeps its policy out of reach of
+the Dynamo graph: it is recomputed whole, and the report says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ulysses_compile.report import module_path
+
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+RECOMPUTE_KEYS = ("recompute", "ac_graph_id")
+
+
+def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
+    region_ids = itertools.count(1)
+    for node in list(gm.graph.find_nodes(op="call_function", target=CHECKPOINT)):
+        body = getattr(gm, node.args[0].target)
+        if body.meta.get("_checkpoint_context_fn") is not None:
+            ctx.report.notes.append(
+                f"{module_path(node) or node.name}: selective checkpointing (context_fn) is recomputed whole "
+                f"under sequence parallelism"
+            )
+        _inline(gm, node, body, next(region_ids))
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int) -> None:
+    graph = gm.graph
+    env: dict[fx.Node, fx.Node] = {}
+    operands = iter(call.args[1:])
+    outputs = None
+    with graph.inserting_before(call):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(operands)
+            elif node.op == "output":
+                outputs = fx.node.map_arg(node.args[0], env.__getitem__)
+            elif node.op == "get_attr":
+                env[node] = _copy_attribute(gm, body, node)
+            else:
+                copied = graph.node_copy(node, env.__getitem__)
+                nested = copied.op == "call_function" and copied.target is CHECKPOINT
+                if not nested:
+                    copied.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=region)
+                env[node] = copied
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    if call.users:
+        call.replace_all_uses_with(outputs)  # a whole-tuple use
+    graph.erase_node(call)
+    for nested in [n for n in env.values() if isinstance(n, fx.Node) and n.target is CHECKPOINT]:
+        _inline(gm, nested, getattr(gm, nested.args[0].target), region)
+
+
+def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """A body's attribute (a nested region's body, a constant) under a fresh name of ``gm``."""
+    name = f"{node.target.replace('.', '_')}_inlined"
+    for index in itertools.count():
+        candidate = f"{name}_{index}"
+        if not hasattr(gm, candidate):
+            break
+    gm.register_module(candidate, body.get_submodule(node.target)) if isinstance(
+        getattr(body, node.target, None), torch.nn.Module) else setattr(gm, candidate, getattr(body, node.target))
+    copied = gm.graph.get_attr(candidate)
+    copied.meta.update(node.meta)
+    return copied
+
+
+def recompute_inserted_nodes(gm: fx.GraphModule, ctx) -> None:
+    """The last pass: tag a node the passes inserted inside a region as the region's own ops are tagged,
+    where the tagged nodes it is computed from (through other untagged ones; graph inputs aside) and
+    those that use it all belong to that one region."""
+    nodes = list(gm.graph.nodes)
+    above: dict[fx.Node, set] = {}
+    for node in nodes:
+        above[node] = set().union(*(_regions(arg, above) for arg in node.all_input_nodes))
+    below: dict[fx.Node, set] = {}
+    for node in reversed(nodes):
+        below[node] = set().union(*(_regions(user, below) for user in node.users))
+    for node in nodes:
+        if node.op == "call_function" and "ac_graph_id" not in node.meta and above[node] == below[node] \
+                and len(below[node]) == 1:
+            node.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=next(iter(below[node])))
+
+
+def _regions(node: fx.Node, untagged: dict[fx.Node, set]) -> set:
+    """The regions ``node`` belongs to: its own, or for an untagged node those found beyond it."""
+    if "ac_graph_id" in node.meta:
+        return {node.meta["ac_graph_id"]}
+    return untagged.get(node, set())

@@ -1,0 +1,163 @@
+"""Activation checkpointing keeps sequence parallelism: the attention inside checkpointed regions is
+found and parallelized, the backward recomputes the regions (their all-to-alls included), and loss,
+logits and every gradient equal eager's."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
+
+import nanogpt
+from models import token_batch, tiny_llama
+from multirank import compare_model, run_ranks
+from ulysses_compile import explain
+from ulysses_compile.backend import ulysses
+from ulysses_compile.collectives import heads_to_seq, seq_to_heads
+from ulysses_compile.compat import run_and_get_code
+
+LAYERS = 2
+
+
+def checkpointed_llama(enabled: bool = True):
+    model = tiny_llama(heads=8, kv_heads=4, layers=LAYERS)
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, labels = token_batch(seq=64)
+    return model, (), {"input_ids": ids, "labels": labels, "use_cache": False}
+
+
+def checkpointed_nanogpt(enabled: bool = True, impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT):
+    """torch's own wrapper, as FSDP recipes apply it to every block."""
+    model, args, kwargs = nanogpt.make(seq_len=64, n_layer=LAYERS)
+    if enabled:
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+                                   check_fn=lambda module: isinstance(module, nanogpt.Block))
+    return model, args, kwargs
+
+
+def _loss(result):
+    return result.loss if hasattr(result, "loss") else result[1]
+
+
+def _logits(result):
+    return result.logits if hasattr(result, "logits") else result[0]
+
+
+@pytest.mark.parametrize("make", [checkpointed_llama, checkpointed_nanogpt], ids=["llama", "nanogpt"])
+def test_checkpointed_attention_is_parallelized_and_recomputed(make):
+    model, args, kwargs = make()
+    report = explain(model, *args, world_size=2, **kwargs)
+    assert len(report.attention_sites) == LAYERS and not report.graphs[0].replicated
+    totals = report.totals()
+    assert totals[("forward", "all_to_all")][0] == 4 * LAYERS
+    # the backward recomputes each region's four all-to-alls and sends its own four back
+    assert totals[("backward", "all_to_all")][0] == 8 * LAYERS
+    unchecked = explain(make(enabled=False)[0], *args, world_size=2, **kwargs)
+    assert report.saved_bytes < unchecked.saved_bytes / 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False).sum()
+
+
+def test_checkpointed_region_is_inlined(fake_group):
+    fake_group(2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
+        graphs.append(gm)
+        return compiled
+
+    torch.compile(Checkpointed(), backend=capture)(torch.randn(1, 8, 8))
+    (gm,) = graphs
+    code = gm.meta["ulysses_report"].graphs["inline_checkpoint_regions"]
+    assert_expected_inline(code.strip(), """\
+def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_block_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_x_ = L_x_
+    l_self_modules_block_modules_qkv_parameters_weight_ = L_self_modules_block_modules_qkv_parameters_weight_
+    l_self_modules_block_modules_qkv_parameters_bias_ = L_self_modules_block_modules_qkv_parameters_bias_
+    linear = torch._C._nn.linear(l_x_, l_self_modules_block_modules_qkv_parameters_weight_, l_self_modules_block_modules_qkv_parameters_bias_);  l_x_ = l_self_modules_block_modules_qkv_parameters_weight_ = l_self_modules_block_modules_qkv_parameters_bias_ = None
+    view = linear.view(1, 8, 3, 2, 4);  linear = None
+    permute = view.permute(2, 0, 3, 1, 4);  view = None
+    q = permute[0]
+    k = permute[1]
+    v = permute[2];  permute = None
+    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True);  q = k = v = None
+    transpose = scaled_dot_product_attention.transpose(1, 2);  scaled_dot_product_attention = None
+    flatten = transpose.flatten(2);  transpose = None
+    sum_1 = flatten.sum();  flatten = None
+    return (sum_1,)""")
+    tagged = {node.name: node.meta.get("ac_graph_id") for node in gm.graph.nodes}
+    assert tagged["scaled_dot_product_attention"] == 1 and tagged.get("sum_1") is None
+    collectives = [node for node in gm.graph.nodes if node.target in (seq_to_heads, heads_to_seq)]
+    assert len(collectives) == 4 and all(node.meta["ac_graph_id"] == 1 for node in collectives)
+
+
+def checkpointed_equal_to_eager(rank, world_size, make, compiler):
+    model, args, kwargs = make()
+    reference = copy.deepcopy(model)
+    reports = []
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": compiler})
+        reports.append(gm.meta["ulysses_report"])
+        return compiled
+
+    def step():
+        result = torch.compile(model, backend=backend)(*args, **kwargs)
+        _loss(result).backward()
+        return result
+
+    got, codes = run_and_get_code(step)
+    (report,) = reports
+    assert len(report.attention_sites) == LAYERS and not report.replicated
+    assert sum(c.kind in ("seq_to_heads", "heads_to_seq") for c in report.collectives) == 4 * LAYERS
+    if compiler == "inductor":
+        forward, backward = codes
+        assert forward.count("all_to_all_single.default(") == 4 * LAYERS
+        assert backward.count("all_to_all_single.default(") == 8 * LAYERS
+    want = reference(*args, **kwargs)
+    _loss(want).backward()
+    compare_model(rank, model, reference, {"loss": (_loss(got), _loss(want)), "logits": (_logits(got), _logits(want))})
+
+
+CASES = [
+    (checkpointed_llama, 2, "inductor"),
+    (checkpointed_llama, 4, "aot_eager"),
+    (checkpointed_nanogpt, 2, "aot_eager"),
+    (functools.partial(checkpointed_nanogpt, impl=CheckpointImpl.REENTRANT), 4, "aot_eager"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("make,world_size,compiler", CASES,
+                         ids=["llama-P2-inductor", "llama-P4", "nanogpt-P2", "nanogpt-reentrant-P4"])
+def test_checkpointed_models_equal_to_eager(make, world_size, compiler):
+    run_ranks(checkpointed_equal_to_eager, world_size, make, compiler)
