@@ -6,6 +6,7 @@ Used by the tests and usable as a FACTORY for ``python -m ulysses_compile``: ``m
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -112,6 +113,18 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """nanoGPT's: weight decay for every 2-D parameter (matmuls, embeddings), none for biases and norms."""
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0},
+        ]
+        use_fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type == "cuda"
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, fused=use_fused or None)
 
     def forward(self, idx, targets=None):
         b, t = idx.size()

@@ -25,6 +25,7 @@ import re
 import socket
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -49,7 +50,9 @@ def batch(seq_len: int) -> dict:
 
 
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """What this rank holds of ``tensors`` (a DTensor parameter: its shard)."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
 
 
 def _resident_kib(field: str) -> int:

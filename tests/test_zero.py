@@ -11,15 +11,11 @@ import torch
 
 from models import tiny_gpt2, tiny_llama, token_batch
 from multirank import assert_close, run_ranks
-from ulysses_compile import (
-    OptionsError,
-    UlyssesError,
-    UnsupportedError,
-    full_state_dict,
-    load_sharded_state_dict,
-    parallelize,
-    sharded_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from ulysses_compile import OptionsError, UlyssesError, UnsupportedError, full_state_dict, parallelize
+from ulysses_compile.sharding import shard_rows
 
 
 def _step(model, optimizer, batches, replica: int = 0):
@@ -58,12 +54,11 @@ def _train_against_eager(rank, world_size, model, stage, data_parallel=1, optimi
     assert sorted(full) == sorted(want)
     for name, tensor in want.items():
         assert_close(f"{where} {name} after {steps} steps", full[name], tensor)
-    held = sum(p.numel() for p in compiled.parameters())
-    total = sum(p.numel() for p in reference.parameters())
-    if stage == 0:
-        assert held == total
-    else:
-        assert held <= total // world_size + world_size * len(list(compiled.parameters()))  # padded shards
+    for name, param in compiled.named_parameters():
+        assert param.shape == reference.get_parameter(name.removeprefix("_orig_mod.")).shape
+        if stage > 0:
+            assert isinstance(param, DTensor) and param.to_local().shape[0] == shard_rows(
+                param.shape[0], world_size, rank)[1], f"{where} {name}: not this rank's rows"
 
 
 def zero_stages_train_like_eager(rank, world_size):
@@ -126,14 +121,16 @@ def checkpoint_resumes_training_exactly(rank, world_size, folder):
     for batch in batches[:2]:
         _step(model, optimizer, batch)
     saved_state = full_state_dict(model)
-    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=checkpoint_dir)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
     losses = [_step(model, optimizer, batch) for batch in batches[2:]]
 
     resumed = parallelize(tiny_llama(layers=1, seed=7), zero_stage=3, compiler="aot_eager")
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=5e-2)
-    state = sharded_state_dict(resumed, resumed_optimizer)
+    model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=checkpoint_dir)
-    load_sharded_state_dict(resumed, state, resumed_optimizer)
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     assert resumed_optimizer.param_groups[0]["lr"] == 1e-2
     resumed_losses = [_step(resumed, resumed_optimizer, batch) for batch in batches[2:]]
     assert [loss.item() for loss in resumed_losses] == [loss.item() for loss in losses]
@@ -146,60 +143,78 @@ def checkpoint_resumes_training_exactly(rank, world_size, folder):
         dcp_to_torch_save(checkpoint_dir, whole)
         on_disk = torch.load(whole)
         for name, tensor in saved_state.items():
-            assert torch.equal(on_disk["model"][name].view(tensor.shape), tensor), name
+            assert torch.equal(on_disk["model"][name], tensor), name
     dist.barrier()
 
 
 def checkpoint_loads_at_other_world_sizes(rank, world_size, folder):
-    """A plain-PyTorch classifier saved at 4 ranks loads on 2 ranks (stage 3) and on one (stage 0):
+    """torch's get_state_dict / torch.distributed.checkpoint / set_state_dict, resharding: a plain-PyTorch
+    classifier saved at 4 ranks loads at 2 (stage 3) and at 1 (stage 0), one saved at 2 loads at 4;
     every parameter, AdamW's moments and its step count equal what was saved. Its head's 3-element bias
-    is held in blocks of 1, 1, 1 and an empty one at 4 ranks, 2 and 1 at 2 ranks."""
+    is held in rows of 1, 1, 1 and an empty block at 4 ranks, 2 and 1 at 2 ranks."""
+    import zlib
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from models import MeanPooledClassifier
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import distribute_tensor
 
-    def parallelized(seed, zero_stage, group):
-        torch.manual_seed(seed)
+    def parallelized(zero_stage, group):
+        torch.manual_seed(rank)  # other initial values on every rank: only the checkpoint makes them agree
         model = parallelize(MeanPooledClassifier(classes=3), zero_stage=zero_stage, group=group)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return model, optimizer, sharded_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return model, optimizer, {"model": model_state, "optimizer": optimizer_state}
 
-    def whole(state):
-        values = {}
-        for name, tensor in state["model"].items():
-            values[name] = tensor
+    def tensors(state):
+        yield from state["model"].items()
         for name, moments in state["optimizer"]["state"].items():
-            values.update({f"{name} {key}": value for key, value in moments.items()})
-        return {name: value.full_tensor() if isinstance(value, DTensor) else value.clone()
-                for name, value in values.items()}
+            yield from ((f"{name} {key}", value) for key, value in moments.items())
+
+    def expected(name, value):
+        if name.endswith(" step"):
+            return torch.tensor(5.0)
+        return torch.rand(value.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+
+    def fill(state):
+        for name, value in tensors(state):
+            full = expected(name, value)
+            if isinstance(value, DTensor):
+                full = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
+            (value.to_local() if isinstance(value, DTensor) else value).copy_(
+                full.to_local() if isinstance(full, DTensor) else full)
+
+    def check(model, optimizer, loaded, what):
+        """What the model and optimizer hold once ``loaded`` is set into them."""
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        for name, value in tensors({"model": model_state, "optimizer": optimizer_state}):
+            got = value.full_tensor() if isinstance(value, DTensor) else value
+            assert torch.equal(got, expected(name, value)), f"rank {rank}: {name} differs after {what}"
 
     pairs, alone = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)]
-    model, optimizer, state = parallelized(0, 3, None)
-    generator = torch.Generator().manual_seed(rank)
-    for moments in optimizer.state.values():  # distinct values in every element, also in the padding
-        for key in ("exp_avg", "exp_avg_sq"):
-            moments[key].copy_(torch.rand(moments[key].shape, generator=generator))
-        moments["step"].fill_(5)
-    assert model.head.parametrizations.bias.original.numel() == 1
-    saved = whole(state)
-    dcp.save(state, checkpoint_id=f"{folder}/classifier")
+    model, _, state = parallelized(3, None)
+    assert model.head.bias.to_local().numel() == (1 if rank < 3 else 0)
+    fill(state)
+    dcp.save(state, checkpoint_id=f"{folder}/at4")
     if rank < 3:
         group = pairs if rank < 2 else alone[2]
         zero_stage = 3 if rank < 2 else 0
-        _, _, loaded = parallelized(1, zero_stage, group)
-        dcp.load(loaded, checkpoint_id=f"{folder}/classifier", process_group=group)
-        for name, value in whole(loaded).items():
-            assert torch.equal(value, saved[name]), f"rank {rank}: {name} differs after loading at stage {zero_stage}"
+        model, optimizer, loaded = parallelized(zero_stage, group)
+        dcp.load(loaded, checkpoint_id=f"{folder}/at4", process_group=group)
+        check(model, optimizer, loaded, f"loading at stage {zero_stage} on {group.size()} rank(s)")
+        if rank < 2:
+            _, _, at2 = parallelized(3, pairs)
+            fill(at2)
+            dcp.save(at2, checkpoint_id=f"{folder}/at2", process_group=pairs)
     dist.barrier()
+    model, optimizer, loaded = parallelized(3, None)
+    dcp.load(loaded, checkpoint_id=f"{folder}/at2")
+    check(model, optimizer, loaded, "loading at 4 ranks what 2 saved")
 
 
 def _full_gradients(model) -> dict[str, torch.Tensor]:
-    from ulysses_compile.collectives import gather_shards
-    from ulysses_compile.zero import _named_state
-
-    return {name: gather_shards(shard.grad, gather.shape, gather.numel, gather.group_name, gather.group_size)
-            for name, shard, gather in _named_state(model) if gather is not None}
+    return {name.removeprefix("_orig_mod."): param.grad.full_tensor() for name, param in model.named_parameters()}
 
 
 def bf16_parameters_match_eager_autocast(rank, world_size):
@@ -254,9 +269,11 @@ def _graphs(stage: int, **precision) -> tuple:
 
 
 def _collective_dtypes(graph, op) -> list[torch.dtype]:
-    """The dtypes of the flat (ZeRO) tensors that ``op`` calls in ``graph`` communicate."""
-    inputs = [node.args[0].meta["val"] for node in graph.graph.find_nodes(op="call_function", target=op)]
-    return [value.dtype for value in inputs if value.dim() == 1]
+    """The dtypes of the parameters and gradients that ``op`` calls in ``graph`` communicate for ZeRO:
+    those traced from ``gather_parameter``, and the gathers the partitioner re-runs in the backward
+    (which carry no purpose)."""
+    return [node.args[0].meta["val"].dtype for node in graph.graph.find_nodes(op="call_function", target=op)
+            if node.meta.get("custom", {}).get("ulysses_collective", "gather_parameter") == "gather_parameter"]
 
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
@@ -268,7 +285,7 @@ def test_parameters_are_gathered_inside_the_graph(fake_group):
     total = sum(p.numel() for p in model.parameters())
     compiled = parallelize(model, zero_stage=3)
     shards = list(compiled.parameters())
-    assert len(shards) == 12 and sum(p.numel() for p in shards) == total // 2
+    assert len(shards) == 12 and sum(p.to_local().numel() for p in shards) == total // 2
     ids, labels = token_batch(seq=32)
     (gm,) = rewritten_graphs(compiled._orig_mod, (), {"input_ids": ids, "labels": labels, "use_cache": False})
     assert len(calls(gm, gather_parameter)) == 12 and len(calls(gm, seq_to_heads)) == 3
@@ -313,14 +330,6 @@ def test_bad_zero_use_gets_clear_errors(fake_group):
     normalized = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
     with pytest.raises(UnsupportedError, match="Linear already has parametrizations .*remove them first"):
         parallelize(normalized, zero_stage=3)
-    one_layer = parallelize(tiny_llama(layers=1), zero_stage=3)
-    with pytest.raises(UlyssesError, match=r"model: the state holds no unexpected and misses \['model.layers.1"):
-        load_sharded_state_dict(parallelize(tiny_llama(layers=2), zero_stage=3), sharded_state_dict(one_layer))
-    optimizer = torch.optim.SGD(one_layer.parameters(), lr=0.1, momentum=0.9)
-    shard = next(iter(one_layer.parameters()))
-    optimizer.state[shard]["history"] = torch.zeros(3)
-    with pytest.raises(UlyssesError, match="SGD state 'history' of model.embed_tokens.weight has shape \\(3,\\)"):
-        sharded_state_dict(one_layer, optimizer)
     model = tiny_llama(layers=1)
     early = torch.optim.AdamW(model.parameters())
     parallelize(model, zero_stage=3)

@@ -16,7 +16,7 @@ from .errors import (
 from .explain import explain
 from .options import Options
 from .report import Report
-from .zero import full_state_dict, load_sharded_state_dict, parallelize, sharded_state_dict
+from .zero import full_state_dict, parallelize, save_pretrained
 
 register_torch_log("ulysses_compile")
 
@@ -33,8 +33,7 @@ __all__ = [
     "VerificationError",
     "explain",
     "full_state_dict",
-    "load_sharded_state_dict",
     "parallelize",
-    "sharded_state_dict",
+    "save_pretrained",
     "ulysses",
 ]

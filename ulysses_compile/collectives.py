@@ -44,8 +44,6 @@ __all__ = [
     "gather_kv_heads",
     "gather_objects",
     "gather_parameter",
-    "gather_shards",
-    "padded_flat",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -253,48 +251,44 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
     return local_cumsum + gathered[:rank].sum(0)
 
 
-def padded_flat(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x`` flattened and zero-padded to N equal ZeRO shards (rank r's shard is the r-th chunk)."""
-    numel = x.numel()
-    return torch.nn.functional.pad(x.reshape(-1), (0, -(-numel // group_size) * group_size - numel))
-
-
-def _unshard(shard, shape, numel: int, group_name: str, group_size: int) -> torch.Tensor:
-    return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, numel).view(shape)
-
-
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, shape, numel, group_name, group_size, param_dtype, reduce_dtype):
-        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype)
-        return _unshard(shard.to(param_dtype or shard.dtype), shape, numel, group_name, group_size)
+    def forward(ctx, local, shape, group_name, group_size, param_dtype, reduce_dtype):
+        ctx.args = (local.shape, group_name, group_size, local.dtype, reduce_dtype)
+        local = local.to(param_dtype or local.dtype)
+        if local.shape == shape:  # a replicated (0-d) parameter
+            return local.clone()
+        rows = -(-shape[0] // group_size)
+        padded = torch.nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
+        return _all_gather_dim0(padded, group_size, group_name).narrow(0, 0, shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, group_size, shard_dtype, reduce_dtype = ctx.args
-        flat = padded_flat(grad.to(reduce_dtype or grad.dtype), group_size).contiguous()
-        summed = c10d_functional.reduce_scatter_tensor(flat, "sum", group_size, group_name)
-        shard_grad = (c10d_functional.wait_tensor(summed) / group_size).to(shard_dtype)
-        return shard_grad, None, None, None, None, None, None
+        local_shape, group_name, group_size, local_dtype, reduce_dtype = ctx.args
+        grad = grad.to(reduce_dtype or grad.dtype)
+        if grad.shape == local_shape:
+            summed = _all_reduce_sum(grad, group_name)
+        else:
+            rows = -(-grad.shape[0] // group_size)
+            padded = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1) + [0, rows * group_size - grad.shape[0]])
+            scattered = c10d_functional.reduce_scatter_tensor(padded.contiguous(), "sum", group_size, group_name)
+            summed = c10d_functional.wait_tensor(scattered).narrow(0, 0, local_shape[0])
+        return (summed / group_size).to(local_dtype), None, None, None, None, None
 
 
 @torch.compiler.allow_in_graph
-def gather_parameter(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int,
+def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size: int,
                      regather_in_backward: bool = False, param_dtype: torch.dtype | None = None,
                      reduce_dtype: torch.dtype | None = None):
-    """A ZeRO shard (this rank's flat 1/N of the padded parameter) -> the full parameter of ``shape``,
-    cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
+    """A ZeRO shard (this rank's rows of dim 0, ``sharding.shard_rows``) -> the full parameter of
+    ``shape``, cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
     Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by N and
     cast to the shard's dtype. Every rank's gradient of the full parameter is the same whole gradient
     (``sync_grad`` summed the sequence ranks' shares), so the division leaves one copy per
-    data-parallel replica, averaged as DDP does.
+    data-parallel replica, averaged as DDP does. A 0-d parameter is held whole: its gradient is
+    all-reduced and divided by N the same way.
     ``regather_in_backward`` (ZeRO stage 3) is read by passes/regather_parameters.py."""
-    return _GatherParameter.apply(shard, shape, numel, group_name, group_size, param_dtype, reduce_dtype)
-
-
-def gather_shards(shard, shape: tuple[int, ...], numel: int, group_name: str, group_size: int) -> torch.Tensor:
-    """The full tensor from every rank's shard, outside any graph (saving, comparing)."""
-    return _unshard(shard, shape, numel, group_name, group_size).clone()
+    return _GatherParameter.apply(local, tuple(shape), group_name, group_size, param_dtype, reduce_dtype)
 
 
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, heads_to_seq,

@@ -32,6 +32,7 @@ from .report import Collective
 log = logging.getLogger("ulysses_compile")
 
 PASSES = (
+    inline_checkpoint_regions,
     decompose_multi_head_attention,
     recognize_flash_attention,
     recognize_causal_mask,
@@ -47,12 +48,12 @@ PASSES = (
 )
 
 
-# What a graph that is not split still needs (a data-parallel mesh averages its gradients; ZeRO-3).
-REPLICATED_PASSES = (average_data_parallel_grads, regather_parameters)
+# What a graph that is not split still needs (its checkpointed regions opened, as the tags are this
+# backend's; a data-parallel mesh averages its gradients; ZeRO-3). Opening regions twice is harmless.
+REPLICATED_PASSES = (inline_checkpoint_regions, average_data_parallel_grads, regather_parameters)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    _run(inline_checkpoint_regions, gm, ctx)
     if ctx.world_size == 1:
         ctx.report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
         _run_replicated(gm, ctx)

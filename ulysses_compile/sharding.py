@@ -53,6 +53,16 @@ def block_sizes(length: int, world_size: int) -> list[int]:
     return [(length + world_size - 1 - rank) // world_size for rank in range(world_size)]
 
 
+def shard_rows(length: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, size)`` of rank ``rank``'s rows of a ZeRO-sharded parameter: ``torch.chunk``'s blocks,
+    the layout of DTensor's ``Shard(0)`` and FSDP2 (5 rows on 4 ranks: 2, 2, 1, 0). Parameters are
+    DTensors that users and torch read, so they follow torch's meaning of ``Shard``; activations use
+    the balanced ``block_sizes``."""
+    chunk = -(-length // world_size)
+    start = min(rank * chunk, length)
+    return start, min(chunk, length - start)
+
+
 def block_range(length: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, size)`` of rank ``rank``'s block."""
     sizes = block_sizes(length, world_size)
