@@ -2,6 +2,7 @@
 
     python examples/zero_memory.py                  # P = 2
     python examples/zero_memory.py --world-size 4 --seq-len 4096
+    python examples/zero_memory.py --checkpointing  # gradient checkpointing on every decoder layer
 
 For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers) and one global batch, each rank
 reports, after a training step with AdamW:
@@ -25,9 +26,9 @@ import re
 import socket
 
 import torch
-from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # glibc's allocator, told to return every block over 64 KiB at once, so freed tensors do not linger in
@@ -35,13 +36,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", str(64 * 1024)
 
 
-def build_model(seq_len: int) -> LlamaForCausalLM:
+def build_model(seq_len: int, checkpointing: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len,
     )
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def batch(seq_len: int) -> dict:
@@ -99,16 +103,20 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     from ulysses_compile.collectives import gather_objects
 
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
-    rows = {"1 device": figures(ulysses_compile.parallelize(build_model(args.seq_len), zero_stage=0, group=alone,
+    def model():
+        return build_model(args.seq_len, args.checkpointing)
+
+    rows = {"1 device": figures(ulysses_compile.parallelize(model(), zero_stage=0, group=alone,
                                                             compiler=args.compiler), args.seq_len)}
     for stage in (0, 1, 2, 3):
-        model = ulysses_compile.parallelize(build_model(args.seq_len), zero_stage=stage, compiler=args.compiler)
-        rows[f"stage {stage}"] = figures(model, args.seq_len)
+        parallel = ulysses_compile.parallelize(model(), zero_stage=stage, compiler=args.compiler)
+        rows[f"stage {stage}"] = figures(parallel, args.seq_len)
     every_rank = gather_objects(rows, dist.group.WORLD)
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
         single = worst["1 device"]
-        print(f"P = {world_size}, S = {args.seq_len}, compiler {args.compiler}: the most any rank holds "
+        print(f"P = {world_size}, S = {args.seq_len}, compiler {args.compiler}"
+              f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
         print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
@@ -124,6 +132,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager"))
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="transformers' gradient checkpointing on every decoder layer (non-reentrant)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

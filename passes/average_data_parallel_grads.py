@@ -11,7 +11,7 @@ After (D replicas on the mesh's "dp" dim)::
 
 Each replica runs on its own batch; inside a replica the sequence-parallel ranks share one batch and sum
 their gradient shares (``sync_grad``), across replicas gradients are averaged, as DistributedDataParallel
-does. Frozen parameters, buffers and ZeRO's DTensor parameters are left alone.
+does. Frozen parameters, buffers and ZeRO's shards are left alone.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from torch.distributed.tensor import DTensor
-
-from ulysses_compile.collectives import average_grad, insert_call
+from ulysses_compile.collectives import average_grad, gather_parameter, insert_call
 from ulysses_compile.sharding import PLACEMENT_KEY, REPLICATE, NodeSharding
 
 
@@ -32,7 +30,7 @@ def average_data_parallel_grads(gm: fx.GraphModule, ctx) -> None:
     for node in list(gm.graph.nodes):  # graph order: every rank must issue the all-reduces in one order
         value = node.meta.get("example_value")
         if node not in ctx.parameters or not isinstance(value, torch.Tensor) or not value.requires_grad \
-                or not node.users or isinstance(value, DTensor):
+                or not node.users or all(user.target is gather_parameter for user in node.users):
             continue  # a ZeRO shard's gradient is reduced over every rank by its gather's backward
         averaged = insert_call(gm.graph, average_grad, (node, group_name, group_size), after=node)
         averaged.meta[PLACEMENT_KEY] = NodeSharding(REPLICATE, value)

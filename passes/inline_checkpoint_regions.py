@@ -6,7 +6,8 @@ body is a subgraph, opaque to the passes. This pass copies each body into the gr
 call and tags the copied nodes ``recompute = PREFER_RECOMPUTE`` with one ``ac_graph_id`` per region:
 the tags AOTAutograd itself puts on a region's ops when it traces the higher-order op, so its
 partitioner keeps only the region's inputs and recomputes the rest in the backward, as checkpointing
-would. Nodes later passes insert inside a region (the all-to-alls) get its tags from
+would. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
+and 2 keep the gathered weights for the backward, stage 3 gathers them again (regather_parameters). Nodes later passes insert inside a region (the all-to-alls) get its tags from
 ``recompute_inserted_nodes``, so the backward recomputes them too, as DeepSpeed's checkpointing does.
 
 Before (a Dynamo graph)::
@@ -52,14 +53,15 @@ def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
                 f"{module_path(node) or node.name}: selective checkpointing (context_fn) is recomputed whole "
                 f"under sequence parallelism"
             )
-        _inline(gm, node, body, next(region_ids))
+        _inline(gm, node, body, next(region_ids), ctx.parameters)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
 
 
-def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int) -> None:
+def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int, parameters: set) -> None:
     graph = gm.graph
     env: dict[fx.Node, fx.Node] = {}
+    weights = set(parameters)  # parameters and what the region computes from them alone (ZeRO's gathers)
     operands = iter(call.args[1:])
     outputs = None
     with graph.inserting_before(call):
@@ -72,8 +74,9 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
                 env[node] = _copy_attribute(gm, body, node)
             else:
                 copied = graph.node_copy(node, env.__getitem__)
-                nested = copied.op == "call_function" and copied.target is CHECKPOINT
-                if not nested:
+                if copied.all_input_nodes and set(copied.all_input_nodes) <= weights:
+                    weights.add(copied)
+                elif copied.target is not CHECKPOINT:
                     copied.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=region)
                 env[node] = copied
     for user in list(call.users):
@@ -84,7 +87,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
         call.replace_all_uses_with(outputs)  # a whole-tuple use
     graph.erase_node(call)
     for nested in [n for n in env.values() if isinstance(n, fx.Node) and n.target is CHECKPOINT]:
-        _inline(gm, nested, getattr(gm, nested.args[0].target), region)
+        _inline(gm, nested, getattr(gm, nested.args[0].target), region, weights)
 
 
 def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> fx.Node:

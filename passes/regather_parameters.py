@@ -2,7 +2,7 @@
 
 Before (AOTAutograd would save ``weight``, the full parameter, for the backward)::
 
-    weight = gather_parameter(to_local, shape=(64, 64), group_name='0', group_size=2,
+    weight = gather_parameter(shard, shape=(64, 64), group_name='0', group_size=2,
                               regather_in_backward=True)
     linear = torch._C._nn.linear(x, weight)
 

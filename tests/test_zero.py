@@ -247,25 +247,37 @@ def bf16_parameters_match_eager_autocast(rank, world_size):
 BF16_RTOL = 3e-2  # measured: 1.2e-2 at most (bf16 keeps 8 significant bits; roundings add up)
 
 
-def _graphs(stage: int, **precision) -> tuple:
-    """The forward and backward graphs AOTAutograd makes of a parallelized Llama (one process)."""
-    from test_structure import rewritten_graphs
-    from ulysses_compile.compat import aot_autograd, min_cut_rematerialization_partition
+def _compiled_graphs(parallelized, kwargs) -> tuple:
+    """The rewritten Dynamo graph and the forward and backward graphs AOTAutograd makes of it, for a
+    parallelized model called once (one process); the model's hooks, which hand the graph its local
+    shards, are kept."""
+    import torch.distributed as dist
+    from ulysses_compile.backend import aot, rewrite
+    from ulysses_compile.options import Options
 
-    model = tiny_llama(layers=1)
-    ids, labels = token_batch(seq=32)
-    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
-    (gm,) = rewritten_graphs(parallelize(model, zero_stage=stage, **precision)._orig_mod, (), kwargs)
     graphs = []
 
     def keep(graph, example_inputs):
         graphs.append(graph)
         return graph
 
-    torch._dynamo.reset()
-    partitioned = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
-    torch.compile(model, backend=lambda graph, inputs: partitioned(gm, inputs))(**kwargs).loss.backward()
+    def backend(gm, example_inputs):
+        rewrite(gm, example_inputs, Options.parse({"compiler": "aot_eager"}), dist.group.WORLD)
+        graphs.append(gm)
+        return aot(keep, keep)(gm, example_inputs)
+
+    recompiled = torch.compile(parallelized._orig_mod, backend=backend)
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
+        getattr(recompiled, hooks).update(getattr(parallelized, hooks))
+    recompiled(**kwargs).loss.backward()
     return tuple(graphs)
+
+
+def _graphs(stage: int, **precision) -> tuple:
+    """The forward and backward graphs AOTAutograd makes of a parallelized Llama."""
+    ids, labels = token_batch(seq=32)
+    parallelized = parallelize(tiny_llama(layers=1), zero_stage=stage, **precision)
+    return _compiled_graphs(parallelized, {"input_ids": ids, "labels": labels, "use_cache": False})[1:]
 
 
 def _collective_dtypes(graph, op) -> list[torch.dtype]:
@@ -277,7 +289,7 @@ def _collective_dtypes(graph, op) -> list[torch.dtype]:
 
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
-    from test_structure import calls, rewritten_graphs
+    from test_structure import calls
     from ulysses_compile.collectives import gather_parameter, seq_to_heads
 
     fake_group(2)
@@ -287,7 +299,7 @@ def test_parameters_are_gathered_inside_the_graph(fake_group):
     shards = list(compiled.parameters())
     assert len(shards) == 12 and sum(p.to_local().numel() for p in shards) == total // 2
     ids, labels = token_batch(seq=32)
-    (gm,) = rewritten_graphs(compiled._orig_mod, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    gm, _, _ = _compiled_graphs(compiled, {"input_ids": ids, "labels": labels, "use_cache": False})
     assert len(calls(gm, gather_parameter)) == 12 and len(calls(gm, seq_to_heads)) == 3
 
 

@@ -253,35 +253,33 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
 
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, shape, group_name, group_size, param_dtype, reduce_dtype):
-        ctx.args = (local.shape, group_name, group_size, local.dtype, reduce_dtype)
-        local = local.to(param_dtype or local.dtype)
-        if local.shape == shape:  # a replicated (0-d) parameter
-            return local.clone()
-        rows = -(-shape[0] // group_size)
-        padded = torch.nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
-        return _all_gather_dim0(padded, group_size, group_name).narrow(0, 0, shape[0])
+    def forward(ctx, shard, shape, group_name, group_size, param_dtype, reduce_dtype):
+        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype)
+        shard = shard.to(param_dtype or shard.dtype)
+        if not shape:  # a 0-d parameter, held whole
+            return shard.clone()
+        return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        local_shape, group_name, group_size, local_dtype, reduce_dtype = ctx.args
+        group_name, group_size, shard_dtype, reduce_dtype = ctx.args
         grad = grad.to(reduce_dtype or grad.dtype)
-        if grad.shape == local_shape:
+        if grad.dim() == 0:
             summed = _all_reduce_sum(grad, group_name)
         else:
             rows = -(-grad.shape[0] // group_size)
             padded = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1) + [0, rows * group_size - grad.shape[0]])
-            scattered = c10d_functional.reduce_scatter_tensor(padded.contiguous(), "sum", group_size, group_name)
-            summed = c10d_functional.wait_tensor(scattered).narrow(0, 0, local_shape[0])
-        return (summed / group_size).to(local_dtype), None, None, None, None, None
+            summed = c10d_functional.wait_tensor(
+                c10d_functional.reduce_scatter_tensor(padded.contiguous(), "sum", group_size, group_name))
+        return (summed / group_size).to(shard_dtype), None, None, None, None, None
 
 
 @torch.compiler.allow_in_graph
 def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size: int,
                      regather_in_backward: bool = False, param_dtype: torch.dtype | None = None,
                      reduce_dtype: torch.dtype | None = None):
-    """A ZeRO shard (this rank's rows of dim 0, ``sharding.shard_rows``) -> the full parameter of
-    ``shape``, cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
+    """A ZeRO shard (this rank's rows of dim 0, ``sharding.shard_rows``, padded to the largest block)
+    -> the full parameter of ``shape``, cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
     Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by N and
     cast to the shard's dtype. Every rank's gradient of the full parameter is the same whole gradient
     (``sync_grad`` summed the sequence ranks' shares), so the division leaves one copy per

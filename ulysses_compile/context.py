@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .collectives import gather_parameter
 from .options import Options
 from .report import GraphReport
 
@@ -26,10 +27,12 @@ class PassContext:
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
+        """Parameters, buffers and ZeRO shards (inputs that only ``gather_parameter`` reads)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         found = set()
         for node, value in zip(placeholders, example_inputs):
             name = node.target
-            if isinstance(value, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name:
+            if isinstance(value, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name or (
+                    node.users and all(user.target is gather_parameter for user in node.users)):
                 found.add(node)
         return found

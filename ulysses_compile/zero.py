@@ -7,16 +7,20 @@ torchtitan's SimpleFSDP lay parameters out, and returns the model compiled with 
 so torch's own ``clip_grad_norm_``, ``p.dim()``-based weight-decay groups, ``get_state_dict`` /
 ``set_state_dict`` and ``torch.distributed.checkpoint`` (resharding at another number of ranks) work
 as they do for FSDP2. The modules still read ``module.weight``: each module's class gets a property per
-parameter (a subclass made for that module) that, while Dynamo captures the forward, gathers the full
-weight from the shards, so the gather is a call in the captured graph; read anywhere else it is the
-DTensor parameter, as FSDP2's modules hold it between steps (``.full_tensor()`` gathers it).
+parameter (a subclass made for that module) that, during a call of the returned model, gathers the
+full weight from the shards, so the gather is a call in the captured graph; read anywhere else it is
+the DTensor parameter, as FSDP2's modules hold it between steps (``.full_tensor()`` gathers it).
+
+The graph takes each parameter's local rows, not the DTensor: a hook of the returned model unwraps
+them (``to_local``, padded to equal blocks) before every call, outside the compiled code. A DTensor
+input would make the device mesh an input of the graph, and AOTAutograd (torch 2.13) misorders it
+among the saved values when a checkpointed region holds a random op (SDPA is one).
 
 A Dynamo graph of ``linear(x, self.weight)`` before and after ``parallelize``::
 
     linear = torch._C._nn.linear(x, l_self_weight)
 
-    to_local = l_self_parameters_weight_.to_local(grad_placements=(Shard(dim=0),))
-    weight = gather_parameter(to_local, shape=(64, 64), group_name='0', group_size=2)
+    weight = gather_parameter(l_self_ulysses_shards_weight_, shape=(64, 64), group_name='0', group_size=2)
     linear = torch._C._nn.linear(x, weight)
 
 The gather's backward reduce-scatters the gradient straight into the shard, averaged over the
@@ -47,8 +51,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 _RETIRED = WeakIdKeyDictionary()  # the full parameters parallelize replaced; an optimizer must not hold them
 
 
+_SHARDS = "_ulysses_shards"  # module.__dict__ entry: name -> this step's padded local shard
+
+
 class _Gather:
-    """How a module reads one partitioned parameter: its DTensor shards -> the full tensor."""
+    """How a module reads one partitioned parameter: its shard -> the full tensor."""
 
     def __init__(self, name: str, shape: torch.Size, group: dist.ProcessGroup, regather_in_backward: bool,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
@@ -58,10 +65,9 @@ class _Gather:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def __call__(self, module: nn.Module) -> torch.Tensor:
-        param = module._parameters[self.name]
-        if not torch.compiler.is_compiling():
-            return param  # read outside the compiled forward (state dicts, shapes): the DTensor, as FSDP2's
-        local = param.to_local(grad_placements=param.placements)
+        local = module.__dict__[_SHARDS].get(self.name)
+        if local is None:
+            return module._parameters[self.name]  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
         return gather_parameter(local, self.shape, self.group_name, self.group_size, self.regather_in_backward,
                                 self.param_dtype, self.reduce_dtype)
 
@@ -109,13 +115,39 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
             f"{'no process group' if zero_group is None else f'{zero_group.size()} rank(s)'}); use zero_stage 1-3 "
             f"on several ranks, or torch.autocast"
         )
+    places = []
     if partitioned:
         _watch_optimizers()
-        _partition(model, zero_group, zero_stage == 3, param_dtype, reduce_dtype or param_dtype)
+        places = _partition(model, zero_group, zero_stage == 3, param_dtype, reduce_dtype or param_dtype)
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
     model._ulysses_zero_stage = zero_stage
-    return torch.compile(model, backend="ulysses", options=options)
+    compiled = torch.compile(model, backend="ulysses", options=options)
+    if places:
+        compiled.register_forward_pre_hook(functools.partial(_expose_shards, places, zero_group.size()))
+        compiled.register_forward_hook(functools.partial(_hide_shards, places), always_call=True)
+    return compiled
+
+
+def _expose_shards(places, group_size: int, compiled, args) -> None:
+    """Before each call of the compiled model, outside the compiled code: every parameter's local rows,
+    padded to the largest block, for the graph to gather. The graph then takes plain tensors of one
+    shape on every rank, and autograd carries their gradients back into the DTensors' ``.grad``."""
+    shards: dict[int, torch.Tensor] = {}
+    for module, name in places:
+        param = module._parameters[name]
+        if id(param) not in shards:
+            local = param.to_local(grad_placements=param.placements)
+            if param.dim() > 0:
+                rows = -(-param.shape[0] // group_size)
+                local = nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
+            shards[id(param)] = local
+        module.__dict__[_SHARDS][name] = shards[id(param)]
+
+
+def _hide_shards(places, compiled, args, output) -> None:
+    for module, name in places:
+        module.__dict__[_SHARDS].pop(name, None)
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
@@ -134,9 +166,12 @@ def _zero_group(opts: Options):
     return dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
 
 
-def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward: bool, param_dtype, reduce_dtype):
+def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward: bool, param_dtype,
+               reduce_dtype) -> list[tuple[nn.Module, str]]:
+    """Every parameter as a DTensor of its shape; returns where each is read, ``(module, name)``."""
     mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
     sharded: dict[int, nn.Parameter] = {}
+    places = []
     for module_name, module in model.named_modules():
         if parametrize.is_parametrized(module):
             raise UnsupportedError(
@@ -155,6 +190,9 @@ def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward:
             gathers[name] = _Gather(name, param.shape, group, regather_in_backward, param_dtype, reduce_dtype)
         if gathers:
             _read_through(module, gathers)
+            module.__dict__[_SHARDS] = {}
+            places += [(module, name) for name in gathers]
+    return places
 
 
 def _read_through(module: nn.Module, gathers: dict[str, _Gather]) -> None:
