@@ -54,7 +54,6 @@ def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
                 f"under sequence parallelism"
             )
         _inline(gm, node, body, next(region_ids), ctx.parameters)
-    gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
 
 
@@ -85,7 +84,10 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
             graph.erase_node(user)
     if call.users:
         call.replace_all_uses_with(outputs)  # a whole-tuple use
+    body_attribute = call.args[0]
     graph.erase_node(call)
+    if not body_attribute.users:
+        graph.erase_node(body_attribute)
     for nested in [n for n in env.values() if isinstance(n, fx.Node) and n.target is CHECKPOINT]:
         _inline(gm, nested, getattr(gm, nested.args[0].target), region, weights)
 

@@ -131,6 +131,7 @@ def zoo_equal_to_eager(rank, world_size, names):
                                                f"{name} logits": (got.logits, want.logits)})
 
 
+@pytest.mark.slow
 def test_model_zoo_equal_to_eager_at_two_ranks():
     run_ranks(zoo_equal_to_eager, 2, sorted(model_zoo()))
 
