@@ -110,6 +110,32 @@ def test_ranks_fed_different_shapes_get_an_error_not_a_hang():
     run_ranks(disagreeing_ranks, 2)
 
 
+def ranks_fed_different_values(rank, world_size):
+    """Ranks with batches of one shape but other values, as a DistributedSampler hands them out: the
+    first call refuses to run; a later mixed call runs and the next one raises, on every rank; with the
+    check turned off, nothing is raised."""
+    own, shared = token_batch(seq=32, seed=1 + rank), token_batch(seq=32, seed=9)
+    compiled = torch.compile(tiny_llama(layers=1), backend="ulysses", options={"compiler": "aot_eager"})
+    with pytest.raises(RankMismatchError, match=rf"rank {rank}: the sequence-parallel ranks passed different "
+                                                r"values in input_ids, labels to compiled graph .*its first call"):
+        compiled(input_ids=own[0], labels=own[1], use_cache=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_llama(layers=1), backend="ulysses", options={"compiler": "aot_eager"})
+    for ids, labels in (shared, shared, (shared[0], own[1])):  # labels differ in the third call
+        compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    with pytest.raises(RankMismatchError, match=r"different values in labels to .*call 3, which has run"):
+        compiled(input_ids=shared[0], labels=shared[1], use_cache=False)
+    torch._dynamo.reset()
+    unchecked = torch.compile(tiny_llama(layers=1), backend="ulysses",
+                              options={"compiler": "aot_eager", "check_inputs": False})
+    unchecked(input_ids=own[0], labels=own[1], use_cache=False)
+
+
+@pytest.mark.multirank
+def test_ranks_fed_different_values_get_an_error_on_every_rank():
+    run_ranks(ranks_fed_different_values, 2)
+
+
 def _compiled_counting_graphs(model, **compile_kwargs):
     """The model compiled with the ulysses backend (eager inner compiler), and the list of rewritten graphs."""
     from ulysses_compile.backend import ulysses

@@ -5,6 +5,9 @@ graph goes through :func:`guarded`:
   graph and its input shapes and dtypes) with one small all-gather, before any collective of the graph
   runs. A rank fed another batch shape, or running other code, would otherwise enter collectives of
   other sizes or in another order than its peers and wait for them forever;
+- on every call, :class:`InputCheck` compares the values of the user's inputs (a fingerprint per input,
+  one all-reduce), so ranks handed different batches of one shape get an error instead of training on
+  a mix;
 - a call after the graph's process group was destroyed is refused;
 - a collective that fails in the forward (another rank died, or the group's timeout ran out because a
   rank raised or is stuck) becomes a :class:`CollectiveError` that says which rank and graph, the bound,
@@ -49,7 +52,7 @@ def input_names(gm: fx.GraphModule) -> list[str]:
     return names
 
 
-def guarded(compiled, expected: dict, group, rank: int, graph_name: str):
+def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_check: "InputCheck | None"):
     checked = False
     group_name, world_size, timeout = group.group_name, group.size(), process_group_timeout(group)
 
@@ -66,6 +69,8 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str):
             if not checked:
                 _compare(gather_objects(expected, group), rank)
                 checked = True
+            if input_check is not None:
+                input_check(args)
             return compiled(*args)
         except RuntimeError as failure:
             if isinstance(failure, CollectiveError) or not (
@@ -99,3 +104,76 @@ def _compare(seen: list[dict], rank: int) -> None:
         "must pass the same global batch (same shapes and dtypes) and run the same code; a data-parallel "
         "replica with its own batch belongs on the mesh's \"dp\" dim."
     )
+
+
+class InputCheck:
+    """The ranks of the group must pass the same values, not only the same shapes: a
+    ``DistributedSampler``, HF Trainer or accelerate hand each rank its own batch, and each rank would
+    then slice its block out of another sequence and train on the mix.
+
+    Each call, a fingerprint of every user input (its number of elements, the sum of its values and a
+    position-weighted sum, in float64, computed where the input lives) goes into one all-reduce over the
+    group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
+    waits for its result, so a mixed first batch never runs; later calls leave it in flight and compare
+    it at the next call, so no step waits on the host for the check (a GPU keeps working); the mixed
+    step has run by then, and the error says so. Integer inputs must agree exactly (their float64 sums
+    are exact below 2**53), floating ones within 1e-6 of their magnitude (ranks may sum in other orders)."""
+
+    def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str):
+        self.names, self.positions = names, positions  # the user inputs among the graph's inputs
+        self.group, self.rank, self.graph_name = group, rank, graph_name
+        self.pending = None
+        self.calls = 0
+
+    def __call__(self, args) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._compare(*pending)
+        entries, owners, exact = [], [], []
+        for index, value in enumerate(args[position] for position in self.positions):
+            for entry in _fingerprint(value):
+                entries.append(entry)
+                owners.append(index)
+                exact.append(not (isinstance(value, torch.Tensor) and value.is_floating_point()))
+        if not entries:
+            return
+        device = next((e.device for e in entries if e.device.type != "cpu"), torch.device("cpu"))
+        fingerprints = torch.stack([entry.to(device) for entry in entries])
+        extremes = torch.cat([fingerprints, -fingerprints])
+        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.calls += 1
+        pending = (work, extremes, owners, exact, self.calls)
+        if self.calls == 1:
+            self._compare(*pending)
+        else:
+            self.pending = pending
+
+    def _compare(self, work, extremes, owners, exact, call: int) -> None:
+        work.wait()
+        values = extremes.tolist()
+        largest, smallest = values[: len(owners)], [-value for value in values[len(owners):]]
+        differing = []
+        for owner, must_equal, high, low in zip(owners, exact, largest, smallest):
+            if high != low and (must_equal or high - low > 1e-6 * max(abs(high), abs(low))):
+                differing.append(self.names[owner])
+        if differing:
+            when = "its first call" if call == 1 else f"call {call}, which has run (the check settles at the next call)"
+            raise RankMismatchError(
+                f"rank {self.rank}: the sequence-parallel ranks passed different values in "
+                f"{', '.join(dict.fromkeys(differing))} to {self.graph_name} ({when}), so each rank's block would "
+                f"come from another sequence. Every rank of the group must pass the same global batch: a "
+                f"DistributedSampler, HF Trainer or accelerate give each rank its own; sample per data-parallel "
+                f"replica instead (num_replicas = the \"dp\" size, rank = the \"dp\" rank), or put ranks with their "
+                f"own batches on the mesh's \"dp\" dim. options={{\"check_inputs\": False}} turns this check off."
+            )
+
+
+def _fingerprint(value) -> list[torch.Tensor]:
+    """0-d float64 tensors that are equal for equal inputs."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(1021).add_(1)
+        return [flat.new_tensor(float(flat.numel())), flat.sum(), (flat * weights).sum()]
+    if isinstance(value, (bool, int, float)):
+        return [torch.tensor(float(value), dtype=torch.float64)]
+    return []

@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .agreement import fingerprint, guarded, input_names
+from .agreement import InputCheck, fingerprint, guarded, input_names
 from .compat import CompileContext, aot_autograd, compile_fx, make_boxed_func, min_cut_rematerialization_partition
 from .context import PassContext
 from .errors import UnsupportedError
@@ -35,10 +35,19 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     original = copy.deepcopy(gm) if opts.verify else None
     expected = fingerprint(gm, example_inputs)
     ctx = rewrite(gm, example_inputs, opts, group)
+    graph_name = f"compiled graph {CompileContext.current_compile_id()}"
+    check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if original is not None:
         compiled = verified(compiled, original, ctx)
-    return guarded(compiled, expected, group, ctx.rank, f"compiled graph {CompileContext.current_compile_id()}")
+    return guarded(compiled, expected, group, ctx.rank, graph_name, check)
+
+
+def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str) -> InputCheck:
+    """The check of every call's user inputs (not parameters, buffers or ZeRO shards) across the group."""
+    names = input_names(gm)
+    positions = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node not in ctx.parameters]
+    return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name)
 
 
 def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> PassContext:

@@ -22,6 +22,7 @@ class Options:
     compiler: str = "inductor"
     verify: bool = False  # compare each graph's first call against eager execution
     dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here
+    check_inputs: bool = True  # every call, compare the values of the user's inputs across the group
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -42,8 +43,9 @@ class Options:
             raise OptionsError(f"option compiler={self.compiler!r}: expected one of {list(COMPILERS)}")
         if self.outputs not in OUTPUT_MODES:
             raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
-        if not isinstance(self.verify, bool):
-            raise OptionsError(f"option verify={self.verify!r}: expected True or False")
+        for name in ("verify", "check_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"option {name}={getattr(self, name)!r}: expected True or False")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise OptionsError(f"option dump_dir={self.dump_dir!r}: expected a folder path")
         if self.group is dist.GroupMember.NON_GROUP_MEMBER:

@@ -138,8 +138,8 @@ def _expose_shards(places, group_size: int, compiled, args) -> None:
         param = module._parameters[name]
         if id(param) not in shards:
             local = param.to_local(grad_placements=param.placements)
-            if param.dim() > 0:
-                rows = -(-param.shape[0] // group_size)
+            rows = -(-param.shape[0] // group_size) if param.dim() > 0 else None
+            if rows is not None and local.shape[0] != rows:  # a copy; an even block stays a view
                 local = nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
             shards[id(param)] = local
         module.__dict__[_SHARDS][name] = shards[id(param)]
