@@ -31,8 +31,8 @@ slow minute of a shared machine does not land on one configuration only. Memory 
 Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses (at
 most cores / P where the ranks outnumber the cores), what each program's communication costs (its time
 less its compute-only time), the peak memories against one process, the all-to-all calls and bytes of
-the compiled program against the Ulysses minimum (``explain``), and the compile time with the share of
-our passes. A JSON file and a PNG plot are written next to ``--out``. The three losses are printed too:
+the compiled program against the Ulysses minimum (``explain``), the compile time with the share of
+our passes, and what the per-call check that ranks pass the same inputs costs. A JSON file and a PNG plot are written next to ``--out``. The three losses are printed too:
 they must agree.
 """
 
@@ -124,7 +124,25 @@ def ulysses_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses:
         return compiled
 
     model = torch.compile(build_model(seq_len), backend=backend)
-    return training_step(model, token_ids(seq_len), losses), {"pass_seconds": pass_seconds}
+    ids = token_ids(seq_len)
+    return training_step(model, ids, losses), {"pass_seconds": pass_seconds,
+                                               "input_check_seconds": [input_check_seconds(ids)]}
+
+
+def input_check_seconds(ids: torch.Tensor, calls: int = 20) -> float:
+    """What the check that every rank passes the same inputs adds to each call: the median of ``calls``
+    runs of it alone on the step's inputs (ids and labels), each settling the previous one's all-reduce."""
+    from ulysses_compile.agreement import InputCheck
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0.0
+    check = InputCheck(["input_ids", "labels"], [0, 1], dist.group.WORLD, dist.get_rank(), "benchmark")
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        check([ids, ids])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses: list):
@@ -313,7 +331,9 @@ def _line(row: dict) -> str:
         f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "
         f"(formula {row['formula_calls']}), {row['all_to_all_bytes']:,} B (minimum {row['ulysses_minimum_bytes']:,}); "
         f"compile {ours['compile_seconds']:.1f} s, passes {ours['pass_seconds']:.1f} s "
-        f"({ours['pass_seconds'] / ours['compile_seconds']:.0%}); losses one {one['loss']:.6f} ulysses "
+        f"({ours['pass_seconds'] / ours['compile_seconds']:.0%}); input check "
+        f"{ours['input_check_seconds'] * 1e3:.2f} ms a call ({ours['input_check_seconds'] / ours['seconds']:.2%} "
+        f"of the step); losses one {one['loss']:.6f} ulysses "
         f"{ours['loss']:.6f} deepspeed {peer['loss']:.6f}"
     )
 

@@ -116,7 +116,8 @@ class AttentionSite:
 def _decide(site: AttentionSite, world_size: int) -> str:
     heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
     kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
-    return f"parallelized: heads per rank {heads}, key/value {kv}"
+    checkpointed = ", in a checkpointed region (recomputed in the backward)" if "ac_graph_id" in site.node.meta else ""
+    return f"parallelized: heads per rank {heads}, key/value {kv}{checkpointed}"
 
 
 def sdpa_arguments(node: fx.Node) -> dict:

@@ -8,10 +8,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 VOCAB = 128
 
 
-def tiny_llama(heads: int = 8, kv_heads: int = 4, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(heads: int = 8, kv_heads: int = 4, layers: int = 2, seed: int = 0,
+               intermediate_size: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=16 * heads, num_hidden_layers=layers,
+        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=intermediate_size or 16 * heads,
+        num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
     )
     return LlamaForCausalLM(config)

@@ -29,8 +29,8 @@ from ulysses_compile.compat import run_and_get_code
 LAYERS = 2
 
 
-def checkpointed_llama(enabled: bool = True):
-    model = tiny_llama(heads=8, kv_heads=4, layers=LAYERS)
+def checkpointed_llama(enabled: bool = True, intermediate_size: int | None = None):
+    model = tiny_llama(heads=8, kv_heads=4, layers=LAYERS, intermediate_size=intermediate_size)
     if enabled:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids, labels = token_batch(seq=64)
@@ -59,6 +59,8 @@ def test_checkpointed_attention_is_parallelized_and_recomputed(make):
     model, args, kwargs = make()
     report = explain(model, *args, world_size=2, **kwargs)
     assert len(report.attention_sites) == LAYERS and not report.graphs[0].replicated
+    assert all(site.decision.endswith("in a checkpointed region (recomputed in the backward)")
+               for site in report.attention_sites)
     totals = report.totals()
     assert totals[("forward", "all_to_all")][0] == 4 * LAYERS
     # the backward recomputes each region's four all-to-alls and sends its own four back
@@ -165,7 +167,7 @@ def test_checkpointed_models_equal_to_eager(make, world_size, compiler):
 
 def checkpointed_zero_trains_like_eager(rank, world_size, stage, folder):
     """Checkpointing and ZeRO together, as long-context training runs: three SGD steps of a checkpointed
-    Llama under parallelize against eager training (every gradient of the first step, the loss of
+    Llama (with MLP weights whose rows do not split evenly) under parallelize against eager training (every gradient of the first step, the loss of
     each, every parameter after the last; SGD, as Adam would divide rounding noise by its own size);
     the report written to ``dump_dir`` shows the sites and all-to-alls."""
     import pathlib
@@ -173,7 +175,7 @@ def checkpointed_zero_trains_like_eager(rank, world_size, stage, folder):
     from multirank import assert_close
     from ulysses_compile import full_state_dict, parallelize
 
-    model, _, _ = checkpointed_llama()
+    model, _, _ = checkpointed_llama(intermediate_size=99)  # MLP rows of 50 and 49: rank 1's shards are padded
     reference = copy.deepcopy(model)
     compiled = parallelize(model, zero_stage=stage, compiler="aot_eager", dump_dir=folder)
     optimizer = torch.optim.SGD(compiled.parameters(), lr=0.5)

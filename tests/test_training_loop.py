@@ -79,7 +79,8 @@ def test_clipping_and_weight_decay_groups_equal_eager(world_size, stage, data_pa
 
 def hugging_face_checkpoint_round_trip(rank, world_size, folder):
     """save_pretrained of a parallelized, trained Llama writes a checkpoint that from_pretrained loads on
-    one process with every tensor equal to the trained one; rank 0 alone writes it."""
+    one process with every tensor equal to the trained one; rank 0 alone writes it. The parallelized
+    model generates what the loaded one does."""
     from transformers import LlamaForCausalLM
 
     model = parallelize(tiny_llama(layers=1), zero_stage=3, compiler="aot_eager")
@@ -89,10 +90,14 @@ def hugging_face_checkpoint_round_trip(rank, world_size, folder):
     optimizer.step()
     trained = full_state_dict(model)
     save_pretrained(model, folder)
-    loaded = LlamaForCausalLM.from_pretrained(folder).state_dict()
-    assert sorted(loaded) == sorted(trained)
-    for name, tensor in trained.items():
-        assert torch.equal(loaded[name], tensor), f"rank {rank}: {name} differs in the saved checkpoint"
+    loaded = LlamaForCausalLM.from_pretrained(folder)
+    assert sorted(loaded.state_dict()) == sorted(trained)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), f"rank {rank}: {name} differs in the saved checkpoint"
+    # generate() calls the model itself, eagerly, with a KV cache: the parameters are gathered there too
+    prompt = ids[:, :8]
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False),
+                       loaded.generate(prompt, max_new_tokens=4, do_sample=False))
 
 
 def test_hugging_face_checkpoint_round_trip(tmp_path):

@@ -112,16 +112,20 @@ class InputCheck:
     then slice its block out of another sequence and train on the mix.
 
     Each call, a fingerprint of every user input (its number of elements, the sum of its values and a
-    position-weighted sum, in float64, computed where the input lives) goes into one all-reduce over the
-    group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
-    waits for its result, so a mixed first batch never runs; later calls leave it in flight and compare
-    it at the next call, so no step waits on the host for the check (a GPU keeps working); the mixed
-    step has run by then, and the error says so. Integer inputs must agree exactly (their float64 sums
-    are exact below 2**53), floating ones within 1e-6 of their magnitude (ranks may sum in other orders)."""
+    position-weighted sum; for floating inputs also the sum of magnitudes) goes into one all-reduce over
+    the group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
+    waits for the result, so a mixed first batch never runs. Later calls leave it in flight and compare
+    it at the next call (on a GPU, the result is copied to pinned memory behind an event, so the host
+    never waits for the step); the mixed step has run by then, and the error says so. The last call of
+    a run is compared only if another call follows. Integer inputs must agree exactly (sums wrap
+    alike in int64); floating ones within 1e-6 of the sum of their magnitudes, since ranks may round
+    differently (another kernel, another summation order)."""
 
     def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str):
         self.names, self.positions = names, positions  # the user inputs among the graph's inputs
         self.group, self.rank, self.graph_name = group, rank, graph_name
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
         self.pending = None
         self.calls = 0
 
@@ -129,32 +133,42 @@ class InputCheck:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self._compare(*pending)
-        entries, owners, exact = [], [], []
+        entries, meaning = [], []  # meaning: (input index, index of its magnitude entry or None, weight)
         for index, value in enumerate(args[position] for position in self.positions):
-            for entry in _fingerprint(value):
-                entries.append(entry)
-                owners.append(index)
-                exact.append(not (isinstance(value, torch.Tensor) and value.is_floating_point()))
+            fingerprint, floating = _fingerprint(value)
+            magnitude = len(entries) + 1 if floating else None
+            meaning += [(index, None if slot == 0 else magnitude, _PERIOD if slot == 3 else 1)
+                        for slot in range(len(fingerprint))]
+            entries += fingerprint
         if not entries:
             return
-        device = next((e.device for e in entries if e.device.type != "cpu"), torch.device("cpu"))
-        fingerprints = torch.stack([entry.to(device) for entry in entries])
+        fingerprints = torch.stack([entry.to(self.device, torch.float64) for entry in entries])
         extremes = torch.cat([fingerprints, -fingerprints])
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if extremes.is_cuda:
+            work.wait()  # the stream waits for the all-reduce, the host does not
+            result = torch.empty(extremes.shape, dtype=extremes.dtype, pin_memory=True)
+            result.copy_(extremes, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            settle = copied.synchronize
+        else:
+            result, settle = extremes, work.wait
         self.calls += 1
-        pending = (work, extremes, owners, exact, self.calls)
+        pending = (settle, result, meaning, self.calls)
         if self.calls == 1:
             self._compare(*pending)
         else:
             self.pending = pending
 
-    def _compare(self, work, extremes, owners, exact, call: int) -> None:
-        work.wait()
-        values = extremes.tolist()
-        largest, smallest = values[: len(owners)], [-value for value in values[len(owners):]]
+    def _compare(self, settle, result, meaning, call: int) -> None:
+        settle()
+        values = result.tolist()
+        largest, smallest = values[: len(meaning)], [-value for value in values[len(meaning):]]
         differing = []
-        for owner, must_equal, high, low in zip(owners, exact, largest, smallest):
-            if high != low and (must_equal or high - low > 1e-6 * max(abs(high), abs(low))):
+        for (owner, magnitude, weight), high, low in zip(meaning, largest, smallest):
+            tolerance = 0.0 if magnitude is None else 1e-6 * weight * largest[magnitude]
+            if abs(high - low) > tolerance:
                 differing.append(self.names[owner])
         if differing:
             when = "its first call" if call == 1 else f"call {call}, which has run (the check settles at the next call)"
@@ -168,12 +182,26 @@ class InputCheck:
             )
 
 
-def _fingerprint(value) -> list[torch.Tensor]:
-    """0-d float64 tensors that are equal for equal inputs."""
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(1021).add_(1)
-        return [flat.new_tensor(float(flat.numel())), flat.sum(), (flat * weights).sum()]
+_PERIOD = 1021  # position weights cycle through 1..1021
+_CHUNK = 1 << 22  # elements converted at a time, so a large input costs no full-size copy
+
+
+def _fingerprint(value) -> tuple[list[torch.Tensor], bool]:
+    """0-d tensors that are equal for equal inputs: number of elements, (floating: sum of magnitudes,)
+    sum and position-weighted sum; and whether the input is floating."""
     if isinstance(value, (bool, int, float)):
-        return [torch.tensor(float(value), dtype=torch.float64)]
-    return []
+        return [torch.tensor(float(value), dtype=torch.float64)], False
+    if not isinstance(value, torch.Tensor):
+        return [], False
+    flat = value.detach().reshape(-1)
+    floating = flat.is_floating_point()
+    dtype = torch.float64 if floating else torch.int64
+    total = weighted = magnitude = torch.zeros((), dtype=dtype, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK].to(dtype)
+        weights = torch.arange(start, start + chunk.numel(), dtype=dtype, device=flat.device) % _PERIOD + 1
+        total, weighted = total + chunk.sum(), weighted + (chunk * weights).sum()
+        if floating:
+            magnitude = magnitude + chunk.abs().sum()
+    count = torch.tensor(float(flat.numel()), dtype=torch.float64)
+    return ([count, magnitude, total, weighted] if floating else [count, total, weighted]), floating

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .collectives import gather_parameter
 from .options import Options
+from .sharding import SHARDS
 from .report import GraphReport
 
 
@@ -27,12 +27,13 @@ class PassContext:
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
-        """Parameters, buffers and ZeRO shards (inputs that only ``gather_parameter`` reads)."""
+        """Parameters, buffers and ZeRO shards, told by Dynamo's name of their source, which is the same
+        on every rank (whether a shard is an ``nn.Parameter`` view or a padded copy is not)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         found = set()
         for node, value in zip(placeholders, example_inputs):
             name = node.target
-            if isinstance(value, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name or (
-                    node.users and all(user.target is gather_parameter for user in node.users)):
+            if isinstance(value, torch.nn.Parameter) or any(
+                    source in name for source in ("_parameters_", "_buffers_", f"_dict{SHARDS}_")):
                 found.add(node)
         return found

@@ -53,6 +53,10 @@ def block_sizes(length: int, world_size: int) -> list[int]:
     return [(length + world_size - 1 - rank) // world_size for rank in range(world_size)]
 
 
+# The module.__dict__ entry where a ZeRO-partitioned module finds this call's local shards (zero.py).
+SHARDS = "_ulysses_shards"
+
+
 def shard_rows(length: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, size)`` of rank ``rank``'s rows of a ZeRO-sharded parameter: ``torch.chunk``'s blocks,
     the layout of DTensor's ``Shard(0)`` and FSDP2 (5 rows on 4 ranks: 2, 2, 1, 0). Parameters are

@@ -43,15 +43,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
-from .sharding import shard_rows
+from .sharding import SHARDS, shard_rows
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 
 ZERO_STAGES = (0, 1, 2, 3)
 _RETIRED = WeakIdKeyDictionary()  # the full parameters parallelize replaced; an optimizer must not hold them
-
-
-_SHARDS = "_ulysses_shards"  # module.__dict__ entry: name -> this step's padded local shard
 
 
 class _Gather:
@@ -65,7 +62,7 @@ class _Gather:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def __call__(self, module: nn.Module) -> torch.Tensor:
-        local = module.__dict__[_SHARDS].get(self.name)
+        local = module.__dict__[SHARDS].get(self.name)
         if local is None:
             return module._parameters[self.name]  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
         return gather_parameter(local, self.shape, self.group_name, self.group_size, self.regather_in_backward,
@@ -124,30 +121,54 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
     model._ulysses_zero_stage = zero_stage
     compiled = torch.compile(model, backend="ulysses", options=options)
     if places:
-        compiled.register_forward_pre_hook(functools.partial(_expose_shards, places, zero_group.size()))
-        compiled.register_forward_hook(functools.partial(_hide_shards, places), always_call=True)
+        shards = _LocalShards(places, zero_group.size())
+        compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))
+        compiled.register_forward_hook(lambda module, args, output: shards.hide(compiled), always_call=True)
+        # Eager calls of the model itself (generate() calls it, not the compiled wrapper); inside the
+        # compiled code these hooks are traced and do nothing.
+        model.register_forward_pre_hook(lambda module, args: None if torch.compiler.is_compiling()
+                                        else shards.expose(model))
+        model.register_forward_hook(lambda module, args, output: None if torch.compiler.is_compiling()
+                                    else shards.hide(model), always_call=True)
     return compiled
 
 
-def _expose_shards(places, group_size: int, compiled, args) -> None:
-    """Before each call of the compiled model, outside the compiled code: every parameter's local rows,
-    padded to the largest block, for the graph to gather. The graph then takes plain tensors of one
-    shape on every rank, and autograd carries their gradients back into the DTensors' ``.grad``."""
-    shards: dict[int, torch.Tensor] = {}
-    for module, name in places:
-        param = module._parameters[name]
-        if id(param) not in shards:
-            local = param.to_local(grad_placements=param.placements)
-            rows = -(-param.shape[0] // group_size) if param.dim() > 0 else None
-            if rows is not None and local.shape[0] != rows:  # a copy; an even block stays a view
-                local = nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
-            shards[id(param)] = local
-        module.__dict__[_SHARDS][name] = shards[id(param)]
+class _LocalShards:
+    """Hands the modules every parameter's local rows for one call of the model, outside the compiled
+    code: padded to the largest block, so the graph takes plain tensors of one shape on every rank, and
+    autograd carries their gradients back into the DTensors' ``.grad``. Between calls the modules read
+    the DTensors."""
 
+    def __init__(self, places: list[tuple[nn.Module, str]], group_size: int):
+        self.places, self.group_size = places, group_size
+        self.owner = None  # the caller that exposed them: the compiled wrapper, or an eager call
 
-def _hide_shards(places, compiled, args, output) -> None:
-    for module, name in places:
-        module.__dict__[_SHARDS].pop(name, None)
+    def expose(self, owner) -> None:
+        if self.owner is not None:
+            return
+        self.owner = owner
+        local: dict[int, torch.Tensor] = {}
+        for module, name in self.places:
+            param = module._parameters[name]
+            if id(param) not in local:
+                local[id(param)] = self._padded(param)
+            module.__dict__[SHARDS][name] = local[id(param)]
+
+    def hide(self, owner) -> None:
+        if self.owner is not owner:
+            return
+        self.owner = None
+        for module, name in self.places:
+            module.__dict__[SHARDS].pop(name, None)
+
+    def _padded(self, param) -> torch.Tensor:
+        local = param.to_local(grad_placements=param.placements)
+        if param.dim() == 0:
+            return local
+        rows = -(-param.shape[0] // self.group_size)
+        if local.shape[0] == rows:  # an even block stays a view; padding copies
+            return local
+        return nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
@@ -169,7 +190,8 @@ def _zero_group(opts: Options):
 def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward: bool, param_dtype,
                reduce_dtype) -> list[tuple[nn.Module, str]]:
     """Every parameter as a DTensor of its shape; returns where each is read, ``(module, name)``."""
-    mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+    device = next(model.parameters(), torch.empty(0)).device
+    mesh = DeviceMesh.from_group(group, device.type)
     sharded: dict[int, nn.Parameter] = {}
     places = []
     for module_name, module in model.named_modules():
@@ -190,7 +212,7 @@ def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward:
             gathers[name] = _Gather(name, param.shape, group, regather_in_backward, param_dtype, reduce_dtype)
         if gathers:
             _read_through(module, gathers)
-            module.__dict__[_SHARDS] = {}
+            module.__dict__[SHARDS] = {}
             places += [(module, name) for name in gathers]
     return places
 
@@ -232,7 +254,9 @@ def save_pretrained(model: nn.Module, path, **kwargs) -> None:
     ``from_pretrained`` loads on one process: the parameters are gathered one at a time and kept on rank
     0 alone, which writes ``path``; every rank must call it. ``kwargs`` go to ``save_pretrained``."""
     module = getattr(model, "_orig_mod", model)
+    sharded = next((p for p in module.parameters() if isinstance(p, DTensor)), None)
+    group = sharded.device_mesh.get_group() if sharded is not None else dist.group.WORLD
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         module.save_pretrained(path, state_dict=state, **kwargs)
-    dist.barrier()
+    dist.barrier(group)
