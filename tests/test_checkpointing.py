@@ -152,7 +152,6 @@ def checkpointed_equal_to_eager(rank, world_size, make, compiler):
 
 CASES = [
     (checkpointed_llama, 2, "inductor"),
-    (checkpointed_llama, 4, "aot_eager"),
     (checkpointed_nanogpt, 2, "aot_eager"),
     (functools.partial(checkpointed_nanogpt, impl=CheckpointImpl.REENTRANT), 4, "aot_eager"),
 ]
@@ -160,7 +159,7 @@ CASES = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("make,world_size,compiler", CASES,
-                         ids=["llama-P2-inductor", "llama-P4", "nanogpt-P2", "nanogpt-reentrant-P4"])
+                         ids=["llama-P2-inductor", "nanogpt-P2", "nanogpt-reentrant-P4"])
 def test_checkpointed_models_equal_to_eager(make, world_size, compiler):
     run_ranks(checkpointed_equal_to_eager, world_size, make, compiler)
 

@@ -135,5 +135,6 @@ def memory_flat_over_steps(rank, world_size):
     assert growth < 2**20, f"rank {rank}: resident memory grew {growth / 2**20:.2f} MiB over steps 150-250"
 
 
+@pytest.mark.slow
 def test_long_training_does_not_grow_memory():
     run_ranks(memory_flat_over_steps, 2)

@@ -233,6 +233,7 @@ def test_random_configs_equal_eager_at_P2():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_random_configs_equal_eager_at_P3():
     check_random_configs(3, pool_size=4, max_examples=6)
 

@@ -29,7 +29,8 @@ from .compat import _resolve_process_group, process_group_timeout
 from .errors import CollectiveError, RankMismatchError
 
 # How torch.distributed's backends word a failed collective (gloo raises plain RuntimeErrors).
-_COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|timed out|connection (closed|reset)|process group|broken pipe", re.I)
+_COLLECTIVE_FAILURE = re.compile(
+    r"gloo|nccl|timed out|timeout|pair closure|connection (closed|reset)|process group|broken pipe", re.I)
 
 
 def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
