@@ -49,9 +49,10 @@ def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
     for node in list(gm.graph.find_nodes(op="call_function", target=CHECKPOINT)):
         body = getattr(gm, node.args[0].target)
         if body.meta.get("_checkpoint_context_fn") is not None:
+            paths = [module_path(inner) for inner in body.graph.nodes if module_path(inner)]
+            where = min(paths, key=len, default=node.name)  # the checkpointed module: the outermost
             ctx.report.notes.append(
-                f"{module_path(node) or node.name}: selective checkpointing (context_fn) is recomputed whole "
-                f"under sequence parallelism"
+                f"{where}: selective checkpointing (context_fn) is recomputed whole under sequence parallelism"
             )
         _inline(gm, node, body, next(region_ids), ctx.parameters)
     gm.delete_all_unused_submodules()

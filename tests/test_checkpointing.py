@@ -122,6 +122,36 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_paramete
     assert len(collectives) == 4 and all(node.meta["ac_graph_id"] == 1 for node in collectives)
 
 
+class SelectivelyCheckpointed(Checkpointed):
+    """Selective checkpointing: a policy saves the matmuls and recomputes the rest."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=context).sum()
+
+
+def test_selective_checkpointing_is_recomputed_whole_and_reported(fake_group):
+    fake_group(2)
+    reports = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
+        reports.append(gm.meta["ulysses_report"])
+        return compiled
+
+    torch.compile(SelectivelyCheckpointed(), backend=capture)(torch.randn(1, 8, 8))
+    (report,) = reports
+    assert len(report.attention_sites) == 1 and not report.replicated
+    assert report.notes == ["block: selective checkpointing (context_fn) is recomputed whole under sequence "
+                            "parallelism"], report.notes
+    assert "note: " in str(report)
+
+
 def checkpointed_equal_to_eager(rank, world_size, make, compiler):
     model, args, kwargs = make()
     reference = copy.deepcopy(model)
@@ -151,15 +181,16 @@ def checkpointed_equal_to_eager(rank, world_size, make, compiler):
 
 
 CASES = [
-    (checkpointed_llama, 2, "inductor"),
-    (checkpointed_nanogpt, 2, "aot_eager"),
-    (functools.partial(checkpointed_nanogpt, impl=CheckpointImpl.REENTRANT), 4, "aot_eager"),
+    pytest.param(checkpointed_llama, 2, "inductor", id="llama-P2-inductor"),
+    pytest.param(checkpointed_llama, 4, "aot_eager", id="llama-P4", marks=pytest.mark.slow),
+    pytest.param(checkpointed_nanogpt, 2, "aot_eager", id="nanogpt-P2"),
+    pytest.param(functools.partial(checkpointed_nanogpt, impl=CheckpointImpl.REENTRANT), 4, "aot_eager",
+                 id="nanogpt-reentrant-P4"),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("make,world_size,compiler", CASES,
-                         ids=["llama-P2-inductor", "nanogpt-P2", "nanogpt-reentrant-P4"])
+@pytest.mark.parametrize("make,world_size,compiler", CASES)
 def test_checkpointed_models_equal_to_eager(make, world_size, compiler):
     run_ranks(checkpointed_equal_to_eager, world_size, make, compiler)
 
