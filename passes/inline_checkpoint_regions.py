@@ -95,14 +95,15 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
 
 def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> fx.Node:
     """A body's attribute (a nested region's body, a constant) under a fresh name of ``gm``."""
-    name = f"{node.target.replace('.', '_')}_inlined"
-    for index in itertools.count():
-        candidate = f"{name}_{index}"
-        if not hasattr(gm, candidate):
-            break
-    gm.register_module(candidate, body.get_submodule(node.target)) if isinstance(
-        getattr(body, node.target, None), torch.nn.Module) else setattr(gm, candidate, getattr(body, node.target))
-    copied = gm.graph.get_attr(candidate)
+    *path, leaf = node.target.split(".")
+    value = getattr(body.get_submodule(".".join(path)), leaf)
+    name = next(f"{'_'.join([*path, leaf])}_inlined_{index}" for index in itertools.count()
+                if not hasattr(gm, f"{'_'.join([*path, leaf])}_inlined_{index}"))
+    if isinstance(value, torch.nn.Module):
+        gm.add_submodule(name, value)
+    else:
+        setattr(gm, name, value)
+    copied = gm.graph.get_attr(name)
     copied.meta.update(node.meta)
     return copied
 

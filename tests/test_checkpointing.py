@@ -122,6 +122,34 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_paramete
     assert len(collectives) == 4 and all(node.meta["ac_graph_id"] == 1 for node in collectives)
 
 
+class NestedCheckpointed(nn.Module):
+    """A checkpointed module that checkpoints its own block again."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Checkpointed()
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_nested_regions_are_opened_into_one(fake_group):
+    fake_group(2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
+        graphs.append(gm)
+        return compiled
+
+    x = torch.randn(1, 8, 8, requires_grad=True)
+    torch.compile(NestedCheckpointed(), backend=capture)(x).backward()
+    (gm,) = graphs
+    assert len(gm.meta["ulysses_report"].attention_sites) == 1
+    assert not [node for node in gm.graph.nodes if node.op == "get_attr" or "checkpoint" in str(node.target)]
+    assert {node.meta.get("ac_graph_id") for node in gm.graph.nodes if node.op == "call_function"} == {1, None}
+
+
 class SelectivelyCheckpointed(Checkpointed):
     """Selective checkpointing: a policy saves the matmuls and recomputes the rest."""
 

@@ -43,9 +43,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
-from .sharding import SHARDS, shard_rows
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
+from .sharding import SHARDS, shard_rows
 
 ZERO_STAGES = (0, 1, 2, 3)
 _RETIRED = WeakIdKeyDictionary()  # the full parameters parallelize replaced; an optimizer must not hold them
