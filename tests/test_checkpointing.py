@@ -88,17 +88,23 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False).sum()
 
 
-def test_checkpointed_region_is_inlined(fake_group):
-    fake_group(2)
+def _rewritten(model, x, compiler: str = "eager"):
+    """``model(x)`` compiled with the ulysses backend (on the fake group): the rewritten graph, the output."""
     graphs = []
 
     def capture(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
+        compiled = ulysses(gm, example_inputs, options={"compiler": compiler})
         graphs.append(gm)
         return compiled
 
-    torch.compile(Checkpointed(), backend=capture)(torch.randn(1, 8, 8))
+    output = torch.compile(model, backend=capture)(x)
     (gm,) = graphs
+    return gm, output
+
+
+def test_checkpointed_region_is_inlined(fake_group):
+    fake_group(2)
+    gm, _ = _rewritten(Checkpointed(), torch.randn(1, 8, 8))
     code = gm.meta["ulysses_report"].graphs["inline_checkpoint_regions"]
     assert_expected_inline(code.strip(), """\
 def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_block_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter):
@@ -135,16 +141,8 @@ class NestedCheckpointed(nn.Module):
 
 def test_nested_regions_are_opened_into_one(fake_group):
     fake_group(2)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
-        graphs.append(gm)
-        return compiled
-
-    x = torch.randn(1, 8, 8, requires_grad=True)
-    torch.compile(NestedCheckpointed(), backend=capture)(x).backward()
-    (gm,) = graphs
+    gm, output = _rewritten(NestedCheckpointed(), torch.randn(1, 8, 8, requires_grad=True), "aot_eager")
+    output.backward()
     assert len(gm.meta["ulysses_report"].attention_sites) == 1
     assert not [node for node in gm.graph.nodes if node.op == "get_attr" or "checkpoint" in str(node.target)]
     assert {node.meta.get("ac_graph_id") for node in gm.graph.nodes if node.op == "call_function"} == {1, None}
@@ -165,15 +163,8 @@ class SelectivelyCheckpointed(Checkpointed):
 
 def test_selective_checkpointing_is_recomputed_whole_and_reported(fake_group):
     fake_group(2)
-    reports = []
-
-    def capture(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
-        reports.append(gm.meta["ulysses_report"])
-        return compiled
-
-    torch.compile(SelectivelyCheckpointed(), backend=capture)(torch.randn(1, 8, 8))
-    (report,) = reports
+    gm, _ = _rewritten(SelectivelyCheckpointed(), torch.randn(1, 8, 8))
+    report = gm.meta["ulysses_report"]
     assert len(report.attention_sites) == 1 and not report.replicated
     assert report.notes == ["block: selective checkpointing (context_fn) is recomputed whole under sequence "
                             "parallelism"], report.notes
