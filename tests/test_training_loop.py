@@ -102,3 +102,31 @@ def hugging_face_checkpoint_round_trip(rank, world_size, folder):
 
 def test_hugging_face_checkpoint_round_trip(tmp_path):
     run_ranks(hugging_face_checkpoint_round_trip, 2, str(tmp_path / "llama"))
+
+
+def evaluation_is_sequence_parallel(rank, world_size):
+    """``model.eval()`` under ``torch.no_grad()`` needs no switch: the evaluation graph is parallelized
+    (a site per layer, its all-to-alls) and its loss and logits equal eager's."""
+    from ulysses_compile.backend import ulysses
+
+    model = tiny_llama(layers=2).eval()
+    reports = []
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
+        reports.append(gm.meta["ulysses_report"])
+        return compiled
+
+    ids, labels = token_batch(seq=64)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(input_ids=ids, labels=labels, use_cache=False)
+        want = model(input_ids=ids, labels=labels, use_cache=False)
+    (report,) = reports
+    assert len(report.attention_sites) == 2 and not report.replicated
+    assert sum(c.kind == "seq_to_heads" for c in report.collectives) == 6
+    assert_close(f"rank {rank} eval loss", got.loss, want.loss)
+    assert_close(f"rank {rank} eval logits", got.logits, want.logits)
+
+
+def test_evaluation_is_sequence_parallel():
+    run_ranks(evaluation_is_sequence_parallel, 2)
