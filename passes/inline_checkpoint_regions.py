@@ -7,7 +7,8 @@ call and tags the copied nodes ``recompute = PREFER_RECOMPUTE`` with one ``ac_gr
 the tags AOTAutograd itself puts on a region's ops when it traces the higher-order op, so its
 partitioner keeps only the region's inputs and recomputes the rest in the backward, as checkpointing
 would. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
-and 2 keep the gathered weights for the backward, stage 3 gathers them again (regather_parameters). Nodes later passes insert inside a region (the all-to-alls) get its tags from
+and 2 keep the gathered weights for the backward, stage 3 gathers them again (regather_parameters).
+Nodes later passes insert inside a region (the all-to-alls) get its tags from
 ``recompute_inserted_nodes``, so the backward recomputes them too, as DeepSpeed's checkpointing does.
 
 Before (a Dynamo graph)::
@@ -19,7 +20,7 @@ Before (a Dynamo graph)::
 
     # wrap_body_0: def forward(self, l_x_, l_weight_): linear = torch._C._nn.linear(l_x_, l_weight_); ...
 
-After (golden: ``tests/test_structure.py::test_checkpointed_region_is_inlined``)::
+After (golden: ``tests/test_checkpointing.py::test_checkpointed_region_is_inlined``)::
 
     linear = torch._C._nn.linear(x, weight)    # meta: recompute=PREFER_RECOMPUTE, ac_graph_id=1
     ...
@@ -41,7 +42,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ulysses_compile.report import module_path
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-RECOMPUTE_KEYS = ("recompute", "ac_graph_id")
 
 
 def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
@@ -97,8 +97,8 @@ def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> 
     """A body's attribute (a nested region's body, a constant) under a fresh name of ``gm``."""
     *path, leaf = node.target.split(".")
     value = getattr(body.get_submodule(".".join(path)), leaf)
-    name = next(f"{'_'.join([*path, leaf])}_inlined_{index}" for index in itertools.count()
-                if not hasattr(gm, f"{'_'.join([*path, leaf])}_inlined_{index}"))
+    base = "_".join([*path, leaf])
+    name = next(f"{base}_inlined_{index}" for index in itertools.count() if not hasattr(gm, f"{base}_inlined_{index}"))
     if isinstance(value, torch.nn.Module):
         gm.add_submodule(name, value)
     else:
