@@ -3,6 +3,7 @@ parallelism on an unmodified model, with eager-equal losses, outputs and gradien
 
 from .backend import ulysses
 from .compat import register_torch_log
+from .data import SequenceParallelLoader
 from .errors import (
     CollectiveError,
     DivisibilityError,
@@ -28,6 +29,7 @@ __all__ = [
     "OptionsError",
     "RankMismatchError",
     "Report",
+    "SequenceParallelLoader",
     "UlyssesError",
     "UnsupportedError",
     "VerificationError",

@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from .collectives import COLLECTIVES
@@ -84,7 +85,9 @@ def _dump(ctx: PassContext) -> None:
     if ctx.options.dump_dir is None:
         return
     compile_id = str(CompileContext.current_compile_id() or "graph").replace("/", "_")
-    folder = Path(ctx.options.dump_dir) / f"rank{ctx.rank}" / compile_id
+    # the global rank: on a ("dp", "sp") mesh the replicas' sequence groups have ranks of the same numbers
+    rank = dist.get_rank() if dist.is_initialized() else ctx.rank
+    folder = Path(ctx.options.dump_dir) / f"rank{rank}" / compile_id
     folder.mkdir(parents=True, exist_ok=True)
     for index, (name, code) in enumerate(pieces.items()):
         (folder / f"{index:02d}_{name}.py").write_text(code)
