@@ -12,6 +12,8 @@ import atexit
 import os
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -112,6 +114,14 @@ def run_ranks(fn, world_size: int, *args) -> None:
     except BaseException:
         _POOLS.pop(world_size).close()
         raise
+
+
+def torchrun(script, ranks: int, *arguments: str) -> None:
+    """Launch ``script`` as a user would, ``torchrun --nproc-per-node RANKS script ARGUMENTS``."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+               f"--master-port={free_port()}", str(script), *arguments]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-6000:]
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> float:

@@ -5,13 +5,11 @@ one process)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from multirank import RTOL, free_port
+from multirank import RTOL, torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -20,10 +18,7 @@ TINY = ["--steps", "4", "--save-every", "2", "--seq-len", "64", "--hidden", "64"
 
 
 def _torchrun(ranks: int, *arguments: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={free_port()}", str(EXAMPLE), *TINY, *arguments]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-6000:]
+    torchrun(EXAMPLE, ranks, *TINY, *arguments)
 
 
 def _losses(out: Path) -> dict[int, float]:

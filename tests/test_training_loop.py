@@ -106,10 +106,15 @@ def test_hugging_face_checkpoint_round_trip(tmp_path):
 
 def evaluation_is_sequence_parallel(rank, world_size):
     """``model.eval()`` under ``torch.no_grad()`` needs no switch: the evaluation graph is parallelized
-    (a site per layer, its all-to-alls) and its loss and logits equal eager's."""
+    (a site per layer, its all-to-alls) and its loss and logits equal eager's. The model is set up for
+    training as Trainer and PEFT leave it: checkpointed, with a hook that makes the embeddings' output
+    require grad (an in-place ``requires_grad_`` in the graph under no_grad)."""
     from ulysses_compile.backend import ulysses
 
-    model = tiny_llama(layers=2).eval()
+    model = tiny_llama(layers=2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.eval()
     reports = []
 
     def backend(gm, example_inputs):

@@ -53,7 +53,9 @@ METHODS = (
 
 @register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *METHODS)
 def pointwise(node, view):
-    out = view.value(node)
+    written = mutated_arg(node)
+    # Dynamo records no value for an in-place op whose result is unused (``x.requires_grad_()``)
+    out = view.value(node) if written is None or view.value(node) is not None else view.value(written)
     if not isinstance(out, torch.Tensor):
         return None
     inputs = view.tensor_args(node)
@@ -79,7 +81,6 @@ def pointwise(node, view):
             demands[arg] = seq_shard(dim, outer, inner)
         else:
             return None
-    written = mutated_arg(node)
     if written is not None and demands.get(written) != view.placement(written):
         return None  # an in-place op must update the tensor it was given, not a converted copy of it
     return Decision(seq_shard(out_dim, outer, inner), demands)

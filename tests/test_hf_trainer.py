@@ -1,0 +1,64 @@
+"""``SequenceParallelTrainer`` under torchrun (``examples/hf_trainer.py`` at a tiny size) against
+transformers' own ``Trainer`` in one process on the same data: P ranks with gradient accumulation 1
+equal one process with accumulation P (every logged loss and gradient norm, the evaluation loss, every
+saved weight after AdamW steps with warm-up, a cosine schedule and clipping), and each rank's report
+shows the attention parallelized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from multirank import assert_close, torchrun
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "hf_trainer.py"
+TINY = ["--steps", "3", "--seq-len", "64", "--hidden", "64", "--compiler", "aot_eager"]
+
+
+def _run(out: Path, ranks: int, *arguments: str) -> dict:
+    torchrun(EXAMPLE, ranks, *TINY, "--out", str(out), *arguments)
+    return json.loads((out / "log.json").read_text())
+
+
+def _trains_as_one_process(tmp_path: Path, ranks: int, *arguments: str) -> None:
+    plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", str(ranks))
+    parallel = _run(tmp_path / "parallel", ranks, "--dump-dir", str(tmp_path / "dump"), *arguments)
+    assert [entry["step"] for entry in parallel["train"]] == [1, 2, 3]
+    for got, want in zip(parallel["train"], plain["train"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert_close(f"step {want['step']} {key}", torch.tensor(got[key]), torch.tensor(want[key]))
+    assert_close("eval loss", torch.tensor(parallel["eval_loss"]), torch.tensor(plain["eval_loss"]))
+    trained, reference = (load_file(tmp_path / run / "model.safetensors") for run in ("parallel", "plain"))
+    assert sorted(trained) == sorted(reference)
+    for name, tensor in reference.items():
+        assert_close(f"saved {name}", trained[name], tensor)
+    for rank in range(ranks):
+        reports = [path.read_text() for path in (tmp_path / "dump" / f"rank{rank}").glob("*/report.txt")]
+        assert reports and all("attention sites: 2" in text and "seq_to_heads x6" in text for text in reports), reports
+
+
+@pytest.mark.multirank
+def test_trainer_on_two_ranks_trains_as_one_process(tmp_path):
+    _trains_as_one_process(tmp_path, 2)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_trainer_on_dp2_x_sp2_trains_as_one_process(tmp_path):
+    _trains_as_one_process(tmp_path, 4, "--data-parallel", "2")
+
+
+def test_zero_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
+    from transformers import TrainingArguments
+
+    from models import tiny_llama
+    from ulysses_compile import OptionsError
+    from ulysses_compile.hf_trainer import SequenceParallelTrainer
+
+    arguments = TrainingArguments(output_dir=str(tmp_path), save_strategy="steps", report_to=[], use_cpu=True)
+    with pytest.raises(OptionsError, match="save_only_model=True"):
+        SequenceParallelTrainer(model=tiny_llama(layers=1), args=arguments, zero_stage=3)

@@ -1,0 +1,72 @@
+"""Hugging Face ``Trainer`` with the model sequence-parallel (and ZeRO-partitioned) over the ranks.
+
+Under ``torchrun``, ``Trainer`` (through accelerate) treats every rank as a data-parallel replica: it
+wraps the model in DDP and gives each rank its own batches. :class:`SequenceParallelTrainer` keeps the
+rest of ``Trainer`` and changes three things:
+
+- the model is ``parallelize``-d (this package's ZeRO stage ``zero_stage``, default 0) and compiled
+  with the ulysses backend, and ``Trainer`` calls that compiled model instead of wrapping it in DDP,
+  which would neither hold a large model's AdamW state nor accept its DTensor parameters;
+- each rank's batches (as accelerate shards them) go through :class:`SequenceParallelLoader`, so the
+  whole sequence group trains on each rank's batch in turn, and ``gradient_accumulation_steps`` is
+  multiplied by the group's size: an optimizer step covers the same batches as under DDP, and P ranks
+  train as one process with ``gradient_accumulation_steps`` x P on the same data (its batches in the
+  same order);
+- ``save_model`` gathers the parameters and the main process writes a ``from_pretrained`` checkpoint.
+
+Evaluation runs sequence-parallel through the same loader. The optimizer state of a ZeRO-partitioned
+model is sharded, and ``Trainer`` saves the main process's copy only, so with ``zero_stage > 0`` its
+checkpoints could not resume correctly: the trainer asks for ``save_only_model=True`` or
+``save_strategy="no"`` then (``torch.distributed.checkpoint`` saves and reshards the whole state; see
+``examples/train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from transformers import Trainer, TrainingArguments
+
+from .data import SequenceParallelLoader
+from .errors import OptionsError
+from .zero import parallelize, save_pretrained
+
+_TRAINER_PARAMETERS = frozenset(inspect.signature(Trainer.__init__).parameters)
+
+
+class SequenceParallelTrainer(Trainer):
+    """``Trainer(model, args, ...)`` plus ``zero_stage`` and the ulysses options (``mesh=``, ``group=``,
+    ``compiler=``, ...), passed to :func:`parallelize`."""
+
+    def __init__(self, model, args: TrainingArguments, *, zero_stage: int = 0, param_dtype=None, reduce_dtype=None,
+                 **kwargs):
+        options = {key: kwargs.pop(key) for key in list(kwargs) if key not in _TRAINER_PARAMETERS}
+        if zero_stage > 0 and args.save_strategy != "no" and not args.save_only_model:
+            raise OptionsError(
+                f"SequenceParallelTrainer: zero_stage={zero_stage} shards the optimizer state, and Trainer "
+                f"checkpoints only the main process's part of it, so resuming from them would train on a wrong "
+                f"state; pass TrainingArguments(save_only_model=True) or save_strategy='no' (or zero_stage=0)"
+            )
+        self.compiled_model = parallelize(model, zero_stage=zero_stage, param_dtype=param_dtype,
+                                          reduce_dtype=reduce_dtype, **options)
+        self._sequence_options = {key: options[key] for key in ("group", "mesh") if key in options}
+        group_size = SequenceParallelLoader([], **self._sequence_options).accumulation_steps
+        args = dataclasses.replace(args, gradient_accumulation_steps=args.gradient_accumulation_steps * group_size)
+        super().__init__(model=model, args=args, **kwargs)
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self.compiled_model
+
+    def get_train_dataloader(self):
+        return SequenceParallelLoader(super().get_train_dataloader(), **self._sequence_options)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return SequenceParallelLoader(super().get_eval_dataloader(eval_dataset), **self._sequence_options)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir or self.args.output_dir
+        save_pretrained(self.model, output_dir)
+        if self.processing_class is not None and self.args.should_save:
+            self.processing_class.save_pretrained(output_dir)
+
