@@ -254,6 +254,9 @@ def save_pretrained(model: nn.Module, path, **kwargs) -> None:
     ``from_pretrained`` loads on one process: the parameters are gathered one at a time and kept on rank
     0 alone, which writes ``path``; every rank must call it. ``kwargs`` go to ``save_pretrained``."""
     module = getattr(model, "_orig_mod", model)
+    if not dist.is_initialized():
+        module.save_pretrained(path, **kwargs)
+        return
     sharded = next((p for p in module.parameters() if isinstance(p, DTensor)), None)
     group = sharded.device_mesh.get_group() if sharded is not None else dist.group.WORLD
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
