@@ -30,7 +30,7 @@ from ulysses_compile.report import module_path
 from ulysses_compile.sharding import block_sizes
 from ulysses_compile.sizes import is_symbolic, pin_length_class, same_size
 
-from .recognize_flash_attention import flash_attention
+from .recognize_flash_attention import flash_attention, flash_attention_varlen
 
 log = logging.getLogger("ulysses_compile")
 
@@ -95,12 +95,15 @@ class AttentionSite:
 
     def mask_kind(self) -> str:
         kinds = ["causal"] if self.is_causal else []
-        if self.form == "flash_attn" and self.node.kwargs["window_size"] != (-1, -1):
+        flash = self.form.startswith("flash_attn")
+        if flash and self.node.kwargs["window_size"] != (-1, -1):
             kinds.append(f"window {self.node.kwargs['window_size']}")
-        for mask in (*self.side_inputs, self.mask):
+        if self.form == "flash_attn_varlen":
+            kinds.append(f"packed sequences (cu_seqlens {list(_value(self.side_inputs[0]).shape)})")
+        for mask in (self.mask,) if flash else (*self.side_inputs, self.mask):
             value = _value(mask) if isinstance(mask, fx.Node) else None
             if isinstance(value, torch.Tensor):
-                kind = "alibi" if self.form == "flash_attn" else "bool" if value.dtype == torch.bool else "additive"
+                kind = "alibi" if flash else "bool" if value.dtype == torch.bool else "additive"
                 kinds.append(f"{kind} {list(value.shape)}")
         return ", ".join(kinds) or "none"
 
@@ -134,7 +137,7 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = _sdpa_site(node)
-        elif node.op == "call_function" and node.target is flash_attention:
+        elif node.op == "call_function" and node.target in (flash_attention, flash_attention_varlen):
             site = _flash_site(node)
         elif _is(node, SOFTMAX):
             site = _handwritten_site(node)
@@ -347,13 +350,17 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
 
 
 def _flash_site(node: fx.Node) -> AttentionSite:
-    """flash-attn on ``[B, S, H, D]``; KV may have fewer heads (flash-attn's own MQA/GQA)."""
+    """flash-attn on ``[B, S, H, D]``, or varlen on packed ``[total, H, D]``; KV may have fewer heads
+    (flash-attn's own MQA/GQA)."""
     consumers = {"query": (node, 0), "key": (node, 1), "value": (node, 2)}
     if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
         consumers["alibi_slopes"] = (node, "alibi_slopes")
     query, key, value = node.args[:3]
-    return _site(node, "flash_attn", module_path(node), query, key, value, mask=node.kwargs.get("alibi_slopes"),
-                 is_causal=node.kwargs["causal"], consumers=consumers, head_axis=2, seq_axis=1)
+    packed = node.target is flash_attention_varlen
+    return _site(node, "flash_attn_varlen" if packed else "flash_attn", module_path(node), query, key, value,
+                 mask=node.kwargs.get("alibi_slopes"), is_causal=node.kwargs["causal"], consumers=consumers,
+                 head_axis=1 if packed else 2, seq_axis=0 if packed else 1,
+                 side_inputs=tuple(node.args[3:5]) if packed else ())
 
 
 def _site(node, form, module, query, key, value, head_axis=None, seq_axis=None, **details) -> AttentionSite:

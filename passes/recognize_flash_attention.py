@@ -11,12 +11,15 @@ After::
     attn = flash_attention(q, k, v, dropout_p=0.0, softmax_scale=0.35, causal=True, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False)
 
-``flash_attention`` calls the same kernels (the torch ops flash-attn registers) with the settings read
-off the captured forward and backward; detect_attention then finds it as a site. flash-attn
-entry points whose forward is not one ``_flash_attn_forward`` on q, k, v (packed qkv, varlen) stay as
-they are, run replicated, and are reported.
+``flash_attn_varlen_func`` (sequences packed into ``[total, H, D]``, delimited by ``cu_seqlens``, as
+transformers runs padding-free batches) becomes ``flash_attention_varlen(q, k, v, cu_seqlens_q,
+cu_seqlens_k, max_seqlen_q=..., max_seqlen_k=..., ...)`` the same way. ``flash_attention`` and
+``flash_attention_varlen`` call the same kernels (the torch ops flash-attn registers) with the settings
+read off the captured forward and backward; detect_attention then finds them as sites. After the
+all-to-all every rank holds the whole packed sequence for its heads, so the global ``cu_seqlens`` apply
+unchanged. flash-attn entry points whose forward is not one kernel on q, k, v (packed qkv, paged or
+left-padded keys) stay as they are, run replicated, and are reported.
 """
-
 from __future__ import annotations
 
 import operator
@@ -30,39 +33,64 @@ from ulysses_compile.report import module_path
 FLASH_FORWARD = "flash_attn::_flash_attn_forward"
 FLASH_BACKWARD = "flash_attn::_flash_attn_backward"
 FLASH_VARLEN_FORWARD = "flash_attn::_flash_attn_varlen_forward"
-FORWARD_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
-                  "softcap", "alibi_slopes", "return_softmax")
+FLASH_VARLEN_BACKWARD = "flash_attn::_flash_attn_varlen_backward"
+SETTINGS = ("dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
+            "return_softmax")
+FORWARD_PARAMS = ("q", "k", "v", *SETTINGS)
+PACKING = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+VARLEN_FORWARD_PARAMS = ("q", "k", "v", *PACKING, *SETTINGS, "block_table", "leftpad_k", "seqused_k")
+DETERMINISTIC_INDEX = {FLASH_BACKWARD: 16, FLASH_VARLEN_BACKWARD: 20}  # in the backward kernel's arguments
 
 
 class _FlashAttention(torch.autograd.Function):
-    """flash-attn's forward and backward kernels, called through the torch ops flash-attn registers."""
+    """flash-attn's forward and backward kernels, called through the torch ops flash-attn registers;
+    ``packing`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) selects the varlen kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
-        out, softmax_lse, _, rng_state = torch.ops.flash_attn._flash_attn_forward(
-            q, k, v, dropout_p, softmax_scale, causal=causal, window_size_left=window_size[0],
-            window_size_right=window_size[1], softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=False)
+    def forward(ctx, q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic):
+        kernels = torch.ops.flash_attn
+        settings = dict(causal=causal, window_size_left=window_size[0], window_size_right=window_size[1],
+                        softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=False)
+        if packing is None:
+            out, softmax_lse, _, rng_state = kernels._flash_attn_forward(q, k, v, dropout_p, softmax_scale, **settings)
+        else:
+            out, softmax_lse, _, rng_state = kernels._flash_attn_varlen_forward(
+                q, k, v, *packing, dropout_p, softmax_scale, **settings)
         ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
-        ctx.settings = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+        ctx.packing = packing
+        ctx.settings = (dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes, deterministic)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, softmax_lse, rng_state = ctx.saved_tensors
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic = ctx.settings
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        torch.ops.flash_attn._flash_attn_backward(
-            grad.contiguous(), q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-            window_size[0], window_size[1], softcap, alibi_slopes, deterministic, rng_state=rng_state)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        operands = (grad.contiguous(), q, k, v, out, softmax_lse, dq, dk, dv)
+        if ctx.packing is None:
+            torch.ops.flash_attn._flash_attn_backward(*operands, *ctx.settings, rng_state=rng_state)
+        else:
+            torch.ops.flash_attn._flash_attn_varlen_backward(*operands, *ctx.packing, *ctx.settings,
+                                                             rng_state=rng_state)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple,
                     softcap: float, alibi_slopes, deterministic: bool):
     """What ``flash_attn_func`` runs, on ``[B, S, H, D]`` (Hkv may be fewer: MQA/GQA)."""
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return _FlashAttention.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    return _FlashAttention.apply(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                  deterministic)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple, softcap: float,
+                           alibi_slopes, deterministic: bool):
+    """What ``flash_attn_varlen_func`` runs, on sequences packed into ``[total, H, D]``."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    packing = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _FlashAttention.apply(q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap,
+                                 alibi_slopes, deterministic)
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -81,14 +109,10 @@ def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
         if node.op != "call_function" or node.target is not torch.ops.higher_order.autograd_function_apply:
             continue
         forward_body, backward_body = (getattr(gm, arg.target) for arg in node.args[:2])
-        forwards = _calls(forward_body, FLASH_FORWARD)
-        if _calls(forward_body, FLASH_VARLEN_FORWARD):
-            reason = ("flash_attn_varlen_func packs sequences of different lengths into one dim, which is not split "
-                      "across ranks; it runs whole on every rank. Use flash_attn_func on padded [B, S, H, D]")
-        elif forwards:
-            reason = _rewrite(gm, node, forward_body, backward_body, forwards)
-        else:
+        forwards = _calls(forward_body, FLASH_FORWARD) + _calls(forward_body, FLASH_VARLEN_FORWARD)
+        if not forwards:
             continue
+        reason = _rewrite(gm, node, forward_body, backward_body, forwards)
         if reason:
             ctx.report.rejected_attention.append(f"{module_path(node) or node.name} (flash-attn): {reason}")
 
@@ -97,7 +121,8 @@ def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:
     if len(forwards) != 1:
         return "more than one flash-attn kernel in one autograd.Function"
     (forward,) = forwards
-    settings = dict(zip(FORWARD_PARAMS, forward.args))
+    varlen = _op_name(forward) == FLASH_VARLEN_FORWARD
+    settings = dict(zip(VARLEN_FORWARD_PARAMS if varlen else FORWARD_PARAMS, forward.args))
     settings.update(forward.kwargs)
     placeholders = [n for n in forward_body.graph.nodes if n.op == "placeholder"]
     operands = node.args[2:]
@@ -108,10 +133,12 @@ def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:
             return operands[placeholders.index(value)] if value in placeholders else None
         return value
 
-    tensors = {name: outer(settings[name]) for name in ("q", "k", "v")}
-    if any(value is None for value in tensors.values()):
-        return ("q, k and v reach the kernel through other ops inside the call (packed qkv or kv, or a head_dim "
-                "that flash-attn pads to a multiple of 8); call flash_attn_func on q, k, v")
+    tensors = [outer(settings[name]) for name in ("q", "k", "v", *(PACKING[:2] if varlen else ()))]
+    if any(value is None for value in tensors):
+        return ("q, k, v (or cu_seqlens) reach the kernel through other ops inside the call (packed qkv or kv, or a "
+                "head_dim that flash-attn pads to a multiple of 8); call flash_attn_func on q, k, v")
+    if any(settings.get(name) is not None for name in ("block_table", "leftpad_k", "seqused_k")):
+        return "paged or left-padded keys (block_table, leftpad_k, seqused_k) are decoding with a cache"
     alibi = settings.get("alibi_slopes")
     if isinstance(alibi, fx.Node) and outer(alibi) is None:
         return "alibi_slopes are computed inside the call"
@@ -120,16 +147,24 @@ def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:
     outputs = [user for user in node.users if user.target is operator.getitem]
     if any(user.args[1] != 0 for user in outputs) or len(outputs) != len(node.users):
         return "outputs other than the attention result are used"
-    backwards = _calls(backward_body, FLASH_BACKWARD)
-    deterministic = bool(backwards[0].args[16]) if backwards and len(backwards[0].args) > 16 else False
+    backward_name = FLASH_VARLEN_BACKWARD if varlen else FLASH_BACKWARD
+    backwards = _calls(backward_body, backward_name)
+    index = DETERMINISTIC_INDEX[backward_name]
+    deterministic = bool(backwards[0].args[index]) if backwards and len(backwards[0].args) > index else False
     call_kwargs = dict(
         dropout_p=float(settings["dropout_p"]), softmax_scale=float(settings["softmax_scale"]),
         causal=bool(settings.get("causal", False)),
         window_size=(int(settings.get("window_size_left", -1)), int(settings.get("window_size_right", -1))),
         softcap=float(settings.get("softcap", 0.0)), alibi_slopes=outer(alibi), deterministic=deterministic,
     )
+    if varlen:
+        lengths = {name: outer(settings[name]) for name in PACKING[2:]}
+        if any(value is None for value in lengths.values()):
+            return "max_seqlen_q / max_seqlen_k are computed inside the call"
+        call_kwargs = {**lengths, **call_kwargs}
     with gm.graph.inserting_before(node):
-        call = gm.graph.call_function(flash_attention, (tensors["q"], tensors["k"], tensors["v"]), call_kwargs)
+        call = gm.graph.call_function(flash_attention_varlen if varlen else flash_attention, tuple(tensors),
+                                      call_kwargs)
     call.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
     call.meta["example_value"] = outputs[0].meta["example_value"] if outputs else None
     for user in outputs:

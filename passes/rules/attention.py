@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Shard
 from ulysses_compile.sharding import REPLICATE
 
 from ..detect_attention import SDPA_TARGETS, attention_output, sdpa_arguments
-from ..recognize_flash_attention import flash_attention
+from ..recognize_flash_attention import flash_attention, flash_attention_varlen
 
 from . import Decision, register
 
@@ -32,11 +32,23 @@ def sdpa_rule(node, view):
 @register(flash_attention)
 def flash_attention_rule(node, view):
     """flash-attn on [B, S, H, D]: q, k, v sharded on dim 1; ALiBi slopes whole."""
+    return _flash_decision(node, seq_axis=1, whole=("alibi_slopes",))
+
+
+@register(flash_attention_varlen)
+def flash_attention_varlen_rule(node, view):
+    """flash-attn varlen on packed [total, H, D]: q, k, v sharded on dim 0; the sequences' offsets
+    (global positions) and ALiBi slopes whole."""
+    return _flash_decision(node, seq_axis=0, whole=("alibi_slopes",), whole_args=node.args[3:5])
+
+
+def _flash_decision(node, seq_axis: int, whole: tuple, whole_args: tuple = ()) -> Decision:
     q, k, v = node.args[:3]
-    demands = {q: Shard(1), k: Shard(1), v: Shard(1)}
-    if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
-        demands[node.kwargs["alibi_slopes"]] = REPLICATE
-    return Decision(Shard(1), demands)
+    demands = {q: Shard(seq_axis), k: Shard(seq_axis), v: Shard(seq_axis)}
+    for arg in (*whole_args, *(node.kwargs.get(name) for name in whole)):
+        if isinstance(arg, fx.Node):
+            demands[arg] = REPLICATE
+    return Decision(Shard(seq_axis), demands)
 
 
 @register(attention_output)
