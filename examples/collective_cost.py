@@ -10,7 +10,9 @@ before each call, so no rank waits for a slower one; the slowest rank's median i
 - one all-to-all of a [S/P, H, D] fp32 activation (q, k, v or the attention output), as the compiled
   program issues it (functional collective, then ``wait_tensor``); a step has 8 per layer;
 - q, k and v as three all-to-alls against one all-to-all of the three stacked: what fusing them saves;
-- one all-reduce of every parameter's gradient in one bucket, as the backend's bucketing leaves it;
+- one all-reduce of every parameter's gradient in one bucket, as the backend's bucketing leaves it, and
+  one reduce-scatter of it (ZeRO's gradient collective): what each micro-step of gradient accumulation
+  pays, since the gradients are reduced inside every backward;
 - their sum over a step: the time communication takes when it runs alone. The benchmark's
   "communication costs" (a step's time less its compute-only time) above this sum is time the ranks
   spend waiting for each other and competing for the cores, which no reordering of collectives hides.
@@ -54,12 +56,15 @@ def _rank(rank: int, world_size: int, port: int, seq_len: int, repeats: int, res
         config = model.config
         activation = torch.randn(seq_len // world_size * config.num_attention_heads * config.head_dim)
         stacked = torch.cat([activation] * 3)
-        gradients = torch.randn(sum(p.numel() for p in model.parameters()))
+        parameters = sum(p.numel() for p in model.parameters())
+        gradients = torch.randn(parameters + (-parameters) % world_size)
+        shard = gradients.new_empty(gradients.numel() // world_size)
         results.put((rank, {
             "all_to_all_ms": _median_ms(lambda: _all_to_all(activation), repeats),
             "q_k_v_apart_ms": _median_ms(lambda: [_all_to_all(activation) for _ in range(3)], repeats),
             "q_k_v_fused_ms": _median_ms(lambda: _all_to_all(stacked), repeats),
             "gradient_all_reduce_ms": _median_ms(lambda: dist.all_reduce(gradients), repeats),
+            "gradient_reduce_scatter_ms": _median_ms(lambda: dist.reduce_scatter_single(shard, gradients), repeats),
             "layers": config.num_hidden_layers,
             "gradient_bytes": gradients.numel() * gradients.element_size(),
             "activation_bytes": activation.numel() * activation.element_size(),
@@ -85,7 +90,8 @@ def main() -> None:
     print(f"P={args.world_size} S={args.seq_len}: all-to-all of {worst['activation_bytes'] / 2**20:.1f} MiB "
           f"{worst['all_to_all_ms']:.2f} ms; q, k, v apart {worst['q_k_v_apart_ms']:.2f} ms, fused "
           f"{worst['q_k_v_fused_ms']:.2f} ms (fusing saves {fusing_saves:.0f} ms a step); gradient all-reduce of "
-          f"{worst['gradient_bytes'] / 2**20:.1f} MiB {worst['gradient_all_reduce_ms']:.1f} ms; a step's "
+          f"{worst['gradient_bytes'] / 2**20:.1f} MiB {worst['gradient_all_reduce_ms']:.1f} ms, reduce-scatter "
+          f"{worst['gradient_reduce_scatter_ms']:.1f} ms; a step's "
           f"{8 * worst['layers']} all-to-alls and the all-reduce alone: {per_step:.0f} ms")
 
 
