@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainingArguments
 
 from train import PythonSourceBytes, build_model
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas; the rest of the ranks share sequences")
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager"))
+    parser.add_argument("--train-samples", type=int, help="train on the first N windows (several epochs)")
+    parser.add_argument("--bf16", action="store_true", help="mixed precision (autocast to bfloat16)")
     parser.add_argument("--dump-dir", help="write each rank's rewritten graphs and report here")
     parser.add_argument("--plain", action="store_true", help="transformers' own Trainer, without ulysses_compile")
     parser.add_argument("--out", default="hf_trainer_out")
@@ -44,10 +47,13 @@ def main() -> None:
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=3e-3, weight_decay=0.1, warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=0.5,
         logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_drop_last=True,
+        bf16=args.bf16,
     )
     model = build_model(args)
     dataset = PythonSourceBytes(args.seq_len)
     evaluation = [dataset[index] for index in range(8)]
+    if args.train_samples:
+        dataset = torch.utils.data.Subset(dataset, range(args.train_samples))
     if args.plain:
         trainer = Trainer(model=model, args=training, train_dataset=dataset, eval_dataset=evaluation)
     else:
@@ -65,10 +71,12 @@ def main() -> None:
                                           dump_dir=args.dump_dir)
     trainer.train()
     metrics = trainer.evaluate()
+    predicted = trainer.predict(evaluation)
     trainer.save_model()
     if trainer.args.process_index == 0:
         history = [entry for entry in trainer.state.log_history if "loss" in entry]
-        log = {"train": history, "eval_loss": metrics["eval_loss"]}
+        log = {"train": history, "eval_loss": metrics["eval_loss"], "test_loss": predicted.metrics["test_loss"],
+               "epochs": trainer.state.epoch}
         Path(args.out, "log.json").write_text(json.dumps(log, indent=1))
         print(f"losses {[round(entry['loss'], 4) for entry in history]}, eval loss {metrics['eval_loss']:.4f}")
 

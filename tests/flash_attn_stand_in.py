@@ -131,7 +131,7 @@ def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                seqused_k: torch.Tensor | None = None, zero_tensors: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences packed into [total, H, D], delimited by ``cu_seqlens``; the log-sum-exp is [H, total]."""
-    _same_offsets(cu_seqlens_q, cu_seqlens_k)
+    _check_packing(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     out, lse = _attend(q[None], k[None], v[None], softmax_scale, causal, window_size_left, window_size_right, softcap,
                        alibi_slopes, cu_seqlens_q)
     return out[0], lse[0], torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
@@ -165,9 +165,16 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlen
     return softmax_lse.new_empty(softmax_lse.shape)
 
 
-def _same_offsets(cu_seqlens_q, cu_seqlens_k):
+def _check_packing(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    """What the real kernel requires of its arguments (it reads memory out of bounds otherwise), and the
+    stand-in's own limit."""
     if not torch.equal(cu_seqlens_q, cu_seqlens_k):
         raise NotImplementedError("the stand-in packs self-attention only: cu_seqlens_q must equal cu_seqlens_k")
+    if cu_seqlens_q.dtype != torch.int32 or int(cu_seqlens_q[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens {cu_seqlens_q.tolist()} ({cu_seqlens_q.dtype}) do not delimit {q.shape[0]} "
+                         f"packed positions as int32 offsets")
+    if max_seqlen_q != int(cu_seqlens_q.diff().max()):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is not the longest sequence {int(cu_seqlens_q.diff().max())}")
 
 
 class FlashAttnFunc(torch.autograd.Function):

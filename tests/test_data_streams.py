@@ -85,6 +85,34 @@ def test_per_rank_streams_train_like_ddp(world_size, stage, data_parallel, tmp_p
     run_ranks(per_rank_streams_train_like_ddp, world_size, stage, data_parallel, str(tmp_path))
 
 
+def epochs_reshuffle_and_end_together(rank, world_size):
+    """Full passes over two epochs (``set_epoch`` reaching the DistributedSampler): the group's batches in
+    rank order, draw by draw, every rank ending at the same draw; batches a tokenizer's collator builds
+    (``BatchEncoding``) arrive as dicts."""
+    from torch.utils.data import default_collate
+    from transformers import BatchEncoding
+
+    dataset = _dataset()
+    loader = SequenceParallelLoader(DataLoader(dataset, batch_size=BATCH, collate_fn=lambda s: BatchEncoding(
+        default_collate(s)), sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=7)))
+    passes = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        got = [batch["input_ids"] for batch in loader]
+        streams = [_rank_loader(dataset, r, world_size) for r in range(world_size)]
+        for stream in streams:
+            stream.sampler.set_epoch(epoch)
+        want = [batch["input_ids"] for draw in zip(*streams) for batch in draw]
+        assert len(got) == len(want) == len(loader)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"rank {rank} epoch {epoch}"
+        passes.append(torch.stack(got))
+    assert not torch.equal(*passes), "the second epoch repeated the first one's order"
+
+
+def test_epochs_reshuffle_and_end_together():
+    run_ranks(epochs_reshuffle_and_end_together, 2)
+
+
 def ragged_loaders_raise_on_every_rank(rank, world_size):
     loader = SequenceParallelLoader(_rank_loader(_dataset(SAMPLES + 2 * BATCH * rank), 0, 1))
     with pytest.raises(RankMismatchError, match=r"ranks \[0\] ended after 8 batch"):

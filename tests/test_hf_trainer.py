@@ -1,8 +1,9 @@
 """``SequenceParallelTrainer`` under torchrun (``examples/hf_trainer.py`` at a tiny size) against
 transformers' own ``Trainer`` in one process on the same data: P ranks with gradient accumulation 1
-equal one process with accumulation P (every logged loss and gradient norm, the evaluation loss, every
-saved weight after AdamW steps with warm-up, a cosine schedule and clipping), and each rank's report
-shows the attention parallelized."""
+equal one process with accumulation P over two epochs (every logged loss and gradient norm, the
+evaluation and prediction losses, every saved weight after AdamW steps with warm-up, a cosine schedule
+and clipping), and each rank's report shows the attention parallelized. Mixed precision is the
+autocast one process runs (slow tier)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from safetensors.torch import load_file
 from multirank import assert_close, torchrun
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "hf_trainer.py"
-TINY = ["--steps", "3", "--seq-len", "64", "--hidden", "64", "--compiler", "aot_eager"]
+# 8 training windows: a step covers 4 (2 per rank, or 2 x 2 accumulated), so 3 steps span two epochs
+TINY = ["--steps", "3", "--seq-len", "64", "--hidden", "64", "--compiler", "aot_eager", "--train-samples", "8"]
 
 
 def _run(out: Path, ranks: int, *arguments: str) -> dict:
@@ -24,14 +26,19 @@ def _run(out: Path, ranks: int, *arguments: str) -> dict:
     return json.loads((out / "log.json").read_text())
 
 
+def _assert_same_training(got: dict, want: dict, rtol: float) -> None:
+    assert [entry["step"] for entry in got["train"]] == [1, 2, 3] and got["epochs"] == want["epochs"] == 1.5
+    for mine, theirs in zip(got["train"], want["train"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert_close(f"step {theirs['step']} {key}", torch.tensor(mine[key]), torch.tensor(theirs[key]), rtol)
+    for key in ("eval_loss", "test_loss"):
+        assert_close(key, torch.tensor(got[key]), torch.tensor(want[key]), rtol)
+
+
 def _trains_as_one_process(tmp_path: Path, ranks: int, *arguments: str) -> None:
     plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", str(ranks))
     parallel = _run(tmp_path / "parallel", ranks, "--dump-dir", str(tmp_path / "dump"), *arguments)
-    assert [entry["step"] for entry in parallel["train"]] == [1, 2, 3]
-    for got, want in zip(parallel["train"], plain["train"], strict=True):
-        for key in ("loss", "grad_norm"):
-            assert_close(f"step {want['step']} {key}", torch.tensor(got[key]), torch.tensor(want[key]))
-    assert_close("eval loss", torch.tensor(parallel["eval_loss"]), torch.tensor(plain["eval_loss"]))
+    _assert_same_training(parallel, plain, rtol=1e-4)
     trained, reference = (load_file(tmp_path / run / "model.safetensors") for run in ("parallel", "plain"))
     assert sorted(trained) == sorted(reference)
     for name, tensor in reference.items():
@@ -52,7 +59,19 @@ def test_trainer_on_dp2_x_sp2_trains_as_one_process(tmp_path):
     _trains_as_one_process(tmp_path, 4, "--data-parallel", "2")
 
 
-def test_zero_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_trainer_mixed_precision_is_the_one_process_autocast(tmp_path):
+    """bf16: the two ranks train as one process under the same autocast (bf16 rounding apart, 3e-2),
+    and differently from fp32 training (so autocast is on)."""
+    plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", "2", "--bf16")
+    parallel = _run(tmp_path / "parallel", 2, "--bf16", "--zero-stage", "0")
+    _assert_same_training(parallel, plain, rtol=3e-2)
+    fp32 = _run(tmp_path / "fp32", 1, "--plain", "--gradient-accumulation-steps", "2")
+    assert abs(parallel["eval_loss"] - fp32["eval_loss"]) > 1e-4 * abs(fp32["eval_loss"])
+
+
+def test_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
     from transformers import TrainingArguments
 
     from models import tiny_llama
@@ -61,4 +80,4 @@ def test_zero_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
 
     arguments = TrainingArguments(output_dir=str(tmp_path), save_strategy="steps", report_to=[], use_cpu=True)
     with pytest.raises(OptionsError, match="save_only_model=True"):
-        SequenceParallelTrainer(model=tiny_llama(layers=1), args=arguments, zero_stage=3)
+        SequenceParallelTrainer(model=tiny_llama(layers=1), args=arguments)

@@ -17,6 +17,7 @@ get a :class:`RankMismatchError` on every rank.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -50,17 +51,31 @@ class SequenceParallelLoader:
     def __len__(self) -> int:
         return len(self.loader) * self.accumulation_steps
 
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def batch_sampler(self):
+        return getattr(self.loader, "batch_sampler", None)
+
     def set_epoch(self, epoch: int) -> None:
-        """Forward to the wrapped loader's sampler (a ``DistributedSampler`` reshuffles per epoch)."""
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        """Forward to the wrapped loader (accelerate's) or its sampler (a ``DistributedSampler``), which
+        reshuffle per epoch."""
+        target = self.loader if hasattr(self.loader, "set_epoch") else getattr(self.loader, "sampler", None)
+        if hasattr(target, "set_epoch"):
+            target.set_epoch(epoch)
 
     def __iter__(self):
         mine = iter(self.loader)
         for draw in itertools.count():
             batch = next(mine, _Ended())
-            batches = gather_objects(batch, self.group)
+            if isinstance(batch, Mapping) and not isinstance(batch, dict):
+                batch = dict(batch)  # a tokenizer's BatchEncoding, which pytree does not open
+            device = next((leaf.device for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
+            # as CPU tensors: a GPU tensor would be unpickled on the sender's device
+            batches = gather_objects(tree_map(lambda leaf: leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf,
+                                              batch), self.group)
             ended = [rank for rank, theirs in enumerate(batches) if isinstance(theirs, _Ended)]
             if len(ended) == len(batches):
                 return
@@ -70,6 +85,5 @@ class SequenceParallelLoader:
                     f"batch(es) while the others' went on; give every rank the same number of batches (a "
                     f"DistributedSampler does, drop_last=True on a ragged dataset)"
                 )
-            device = next((leaf.device for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
             for theirs in batches:
                 yield tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, theirs)
