@@ -27,7 +27,7 @@ def _run(out: Path, ranks: int, *arguments: str) -> dict:
 
 
 def _assert_same_training(got: dict, want: dict, rtol: float) -> None:
-    assert [entry["step"] for entry in got["train"]] == [1, 2, 3] and got["epochs"] == want["epochs"] == 1.5
+    assert [entry["step"] for entry in got["train"]] == [1, 2, 3] and got["epochs"] == want["epochs"] > 1
     for mine, theirs in zip(got["train"], want["train"], strict=True):
         for key in ("loss", "grad_norm"):
             assert_close(f"step {theirs['step']} {key}", torch.tensor(mine[key]), torch.tensor(theirs[key]), rtol)
@@ -39,6 +39,7 @@ def _trains_as_one_process(tmp_path: Path, ranks: int, *arguments: str) -> None:
     plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", str(ranks))
     parallel = _run(tmp_path / "parallel", ranks, "--dump-dir", str(tmp_path / "dump"), *arguments)
     _assert_same_training(parallel, plain, rtol=1e-4)
+    assert parallel["linear_dtypes"] == plain["linear_dtypes"] == ["torch.float32"]
     trained, reference = (load_file(tmp_path / run / "model.safetensors") for run in ("parallel", "plain"))
     assert sorted(trained) == sorted(reference)
     for name, tensor in reference.items():
@@ -62,13 +63,12 @@ def test_trainer_on_dp2_x_sp2_trains_as_one_process(tmp_path):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_trainer_mixed_precision_is_the_one_process_autocast(tmp_path):
-    """bf16: the two ranks train as one process under the same autocast (bf16 rounding apart, 3e-2),
-    and differently from fp32 training (so autocast is on)."""
+    """bf16: the two ranks train as one process under the same autocast (the MLP computes in bfloat16 in
+    both; losses and gradient norms within bf16 rounding, 3e-2)."""
     plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", "2", "--bf16")
     parallel = _run(tmp_path / "parallel", 2, "--bf16", "--zero-stage", "0")
+    assert parallel["linear_dtypes"] == plain["linear_dtypes"] == ["torch.bfloat16"]
     _assert_same_training(parallel, plain, rtol=3e-2)
-    fp32 = _run(tmp_path / "fp32", 1, "--plain", "--gradient-accumulation-steps", "2")
-    assert abs(parallel["eval_loss"] - fp32["eval_loss"]) > 1e-4 * abs(fp32["eval_loss"])
 
 
 def test_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
