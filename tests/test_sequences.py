@@ -12,7 +12,7 @@ from attention_forms import outputs_of
 from models import model_zoo, token_batch, tiny_llama, zoo_inputs
 from multirank import compare_model, run_ranks
 from sequence_models import graph_break_gpt, sequence_first
-from test_structure import calls, rewritten_graphs
+from graphs import calls, rewritten_graphs
 from ulysses_compile import RankMismatchError
 from ulysses_compile.collectives import average_grad, scatter_seq, seq_to_heads
 
@@ -92,6 +92,11 @@ def data_times_sequence_mesh(rank, world_size):
     eager_losses = [reference(input_ids=i, labels=l, use_cache=False).loss for i, l in batches]
     (sum(eager_losses) / len(eager_losses)).backward()  # DDP: the replicas' gradients averaged
     compare_model(rank, model, reference, {"replica loss": (loss, eager_losses[replica])})
+
+
+@pytest.mark.multirank
+def test_data_times_sequence_mesh_averages_the_replicas():
+    run_ranks(data_times_sequence_mesh, 4)
 
 
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from graphs import parallelized_graphs
 from models import tiny_gpt2, tiny_llama, token_batch
 from multirank import assert_close, run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -74,36 +75,38 @@ def zero_stages_train_like_eager(rank, world_size):
         _train_against_eager(rank, world_size, tiny_llama(layers=1), 3, data_parallel=2)
 
 
-def zero_at_two_ranks(rank, world_size, folder):
-    zero_stages_train_like_eager(rank, world_size)
+def tied_and_data_parallel_stages(rank, world_size):
     # Tied embedding and lm_head. SGD: GPT-2's key bias has a zero gradient (softmax ignores it), and
     # Adam divides its rounding noise by its own size, so parameters after Adam steps would compare noise.
     _train_against_eager(rank, world_size, tiny_gpt2(layers=1), 2, optimizer_class=torch.optim.SGD)
     # Stage 0 with data parallelism alone: no shards, gradients averaged by the average_grad pass.
     _train_against_eager(rank, world_size, tiny_llama(layers=1), 0, data_parallel=world_size)
-    checkpoint_resumes_training_exactly(rank, world_size, folder)
-    bf16_parameters_match_eager_autocast(rank, world_size)
 
 
 @pytest.mark.multirank
-def test_zero_at_two_ranks(tmp_path):
-    """Stages 0-3 with and without sequence parallelism, tied weights, a sharded checkpoint, mixed
-    precision: one spawn of 2 ranks (the suite's time)."""
-    run_ranks(zero_at_two_ranks, 2, str(tmp_path))
-
-
-def zero_at_four_ranks(rank, world_size, folder):
-    from test_sequences import data_times_sequence_mesh
-
-    data_times_sequence_mesh(rank, world_size)
-    zero_stages_train_like_eager(rank, world_size)
-    checkpoint_loads_at_other_world_sizes(rank, world_size, folder)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_stages_train_like_eager(world_size):
+    run_ranks(zero_stages_train_like_eager, world_size)
 
 
 @pytest.mark.multirank
-def test_zero_at_four_ranks(tmp_path):
-    """One spawn of 4 ranks: plain ulysses on a 2 x 2 mesh, the ZeRO stages, a checkpoint resharded."""
-    run_ranks(zero_at_four_ranks, 4, str(tmp_path))
+def test_tied_weights_and_data_parallel_stage_0_train_like_eager():
+    run_ranks(tied_and_data_parallel_stages, 2)
+
+
+@pytest.mark.multirank
+def test_checkpoint_resumes_training_exactly(tmp_path):
+    run_ranks(checkpoint_resumes_training_exactly, 2, str(tmp_path))
+
+
+@pytest.mark.multirank
+def test_bf16_parameters_match_eager_autocast():
+    run_ranks(bf16_parameters_match_eager_autocast, 2)
+
+
+@pytest.mark.multirank
+def test_checkpoint_loads_at_other_world_sizes(tmp_path):
+    run_ranks(checkpoint_loads_at_other_world_sizes, 4, str(tmp_path))
 
 
 def checkpoint_resumes_training_exactly(rank, world_size, folder):
@@ -247,37 +250,11 @@ def bf16_parameters_match_eager_autocast(rank, world_size):
 BF16_RTOL = 3e-2  # measured: 1.2e-2 at most (bf16 keeps 8 significant bits; roundings add up)
 
 
-def _compiled_graphs(parallelized, kwargs) -> tuple:
-    """The rewritten Dynamo graph and the forward and backward graphs AOTAutograd makes of it, for a
-    parallelized model called once (one process); the model's hooks, which hand the graph its local
-    shards, are kept."""
-    import torch.distributed as dist
-    from ulysses_compile.backend import aot, rewrite
-    from ulysses_compile.options import Options
-
-    graphs = []
-
-    def keep(graph, example_inputs):
-        graphs.append(graph)
-        return graph
-
-    def backend(gm, example_inputs):
-        rewrite(gm, example_inputs, Options.parse({"compiler": "aot_eager"}), dist.group.WORLD)
-        graphs.append(gm)
-        return aot(keep, keep)(gm, example_inputs)
-
-    recompiled = torch.compile(parallelized._orig_mod, backend=backend)
-    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
-        getattr(recompiled, hooks).update(getattr(parallelized, hooks))
-    recompiled(**kwargs).loss.backward()
-    return tuple(graphs)
-
-
 def _graphs(stage: int, **precision) -> tuple:
     """The forward and backward graphs AOTAutograd makes of a parallelized Llama."""
     ids, labels = token_batch(seq=32)
     parallelized = parallelize(tiny_llama(layers=1), zero_stage=stage, **precision)
-    return _compiled_graphs(parallelized, {"input_ids": ids, "labels": labels, "use_cache": False})[1:]
+    return parallelized_graphs(parallelized, {"input_ids": ids, "labels": labels, "use_cache": False})[1:]
 
 
 def _collective_dtypes(graph, op) -> list[torch.dtype]:
@@ -289,7 +266,7 @@ def _collective_dtypes(graph, op) -> list[torch.dtype]:
 
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
-    from test_structure import calls
+    from graphs import calls
     from ulysses_compile.collectives import gather_parameter, seq_to_heads
 
     fake_group(2)
@@ -299,7 +276,7 @@ def test_parameters_are_gathered_inside_the_graph(fake_group):
     shards = list(compiled.parameters())
     assert len(shards) == 12 and sum(p.to_local().numel() for p in shards) == total // 2
     ids, labels = token_batch(seq=32)
-    gm, _, _ = _compiled_graphs(compiled, {"input_ids": ids, "labels": labels, "use_cache": False})
+    gm, _, _ = parallelized_graphs(compiled, {"input_ids": ids, "labels": labels, "use_cache": False})
     assert len(calls(gm, gather_parameter)) == 12 and len(calls(gm, seq_to_heads)) == 3
 
 
@@ -349,3 +326,18 @@ def test_bad_zero_use_gets_clear_errors(fake_group):
         parallelize(model, zero_stage=3)
     with pytest.raises(UlyssesError, match="build the optimizer after parallelize"):
         early.step()
+
+
+def test_models_parallelized_in_one_process_share_their_compiled_graph(fake_group):
+    """Ten models parallelized one after another in a process (a sweep, a notebook, a test suite) reuse
+    one compiled graph per ZeRO setting, so torch's recompile limit (8) never sends one to eager, where
+    it would run unsplit."""
+    from torch._dynamo.utils import counters
+
+    fake_group(2)
+    counters.clear()
+    ids, labels = token_batch(seq=32)
+    for stage in [3] * 10 + [1]:
+        parallelize(tiny_llama(layers=1), zero_stage=stage, compiler="eager")(input_ids=ids, labels=labels,
+                                                                            use_cache=False)
+    assert counters["stats"]["unique_graphs"] == 2

@@ -49,6 +49,7 @@ from .sharding import SHARDS, shard_rows
 
 ZERO_STAGES = (0, 1, 2, 3)
 _RETIRED = WeakIdKeyDictionary()  # the full parameters parallelize replaced; an optimizer must not hold them
+GATHERS = "_ulysses_gathers"  # module.__dict__ entry: parameter name -> how the module reads it
 
 
 class _Gather:
@@ -218,12 +219,25 @@ def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward:
 
 
 def _read_through(module: nn.Module, gathers: dict[str, _Gather]) -> None:
-    """Give ``module`` a class of its own whose properties return the gathered parameters, leaving the
-    DTensors in ``module._parameters`` under their names (torch.nn.utils.parametrize would rename them
-    ``parametrizations.<name>.original``)."""
-    cls = type(module)
-    properties = {name: property(gather) for name, gather in gathers.items()}
-    module.__class__ = type(f"Parallelized{cls.__name__}", (cls,), properties)
+    """Give ``module`` a class whose properties return the gathered parameters, leaving the DTensors in
+    ``module._parameters`` under their names (torch.nn.utils.parametrize would rename them
+    ``parametrizations.<name>.original``). The class is shared by every module of one class and
+    parameter names: a class of its own per module would fail Dynamo's type guards on each model
+    parallelized in a process, and after torch's recompile limit (8) its calls would run eagerly."""
+    module.__dict__[GATHERS] = gathers
+    module.__class__ = _reading_class(type(module), tuple(gathers))
+
+
+@functools.cache
+def _reading_class(cls: type, names: tuple[str, ...]) -> type:
+    return type(f"Parallelized{cls.__name__}", (cls,), {name: property(_reader(name)) for name in names})
+
+
+def _reader(name: str):
+    def read(module: nn.Module) -> torch.Tensor:
+        return module.__dict__[GATHERS][name](module)
+
+    return read
 
 
 @functools.cache

@@ -1,0 +1,51 @@
+"""Compile a model with the ulysses backend in this process and look at the rewritten graphs."""
+
+from __future__ import annotations
+
+import torch
+
+from ulysses_compile.backend import ulysses
+
+
+def rewritten_graphs(model, args, kwargs=None, **options):
+    """Compile with the ulysses backend (eager inner compiler) and return the rewritten graphs."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager", **options})
+        graphs.append(gm)
+        return compiled
+
+    torch.compile(model, backend=capture)(*args, **(kwargs or {}))
+    return graphs
+
+
+def calls(gm, fn):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+def parallelized_graphs(parallelized, kwargs: dict, backward_of=lambda output: output.loss) -> tuple:
+    """The rewritten Dynamo graph and the forward and backward graphs AOTAutograd makes of it, for a
+    ``parallelize``-d model called once with ``kwargs`` (one process); the model's hooks, which hand the
+    graph its local shards, are kept."""
+    import torch.distributed as dist
+
+    from ulysses_compile.backend import aot, rewrite
+    from ulysses_compile.options import Options
+
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    def backend(gm, example_inputs):
+        rewrite(gm, example_inputs, Options.parse({"compiler": "aot_eager"}), dist.group.WORLD)
+        graphs.append(gm)
+        return aot(keep, keep)(gm, example_inputs)
+
+    recompiled = torch.compile(parallelized._orig_mod, backend=backend)
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
+        getattr(recompiled, hooks).update(getattr(parallelized, hooks))
+    backward_of(recompiled(**kwargs)).backward()
+    return tuple(graphs)
