@@ -12,6 +12,8 @@ After (D replicas on the mesh's "dp" dim)::
 Each replica runs on its own batch; inside a replica the sequence-parallel ranks share one batch and sum
 their gradient shares (``sync_grad``), across replicas gradients are averaged, as DistributedDataParallel
 does. Frozen parameters, buffers and ZeRO's shards are left alone.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_average_data_parallel_grads``.
 """
 
 from __future__ import annotations

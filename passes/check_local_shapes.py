@@ -3,6 +3,8 @@ implies; a mismatch is a bug in a rule and stops compilation instead of computin
 
 Before: a rewritten graph whose nodes carry global example values. After: the same graph, every node's
 ``meta["val"]`` / ``meta["example_value"]`` holding its local fake value (what Inductor reads).
+
+It changes no code (``tests/test_pass_goldens.py::test_check_local_shapes_changes_nothing``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ Masks follow ``F.multi_head_attention_forward``: boolean masks mean "masked out"
 and ``is_causal`` is used as SDPA's flag only when no padding mask is given, as torch does. Variants
 this does not open (unbatched inputs, ``bias_k``/``bias_v``, ``add_zero_attn``, ``static_k``/``static_v``,
 returned attention weights) stay one call, run replicated, and are reported with the reason.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_decompose_multi_head_attention``.
 """
 
 from __future__ import annotations

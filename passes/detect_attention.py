@@ -12,6 +12,8 @@ the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` 
 mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site with fewer heads
 than ranks raises here, before any rewrite. A symbolic sequence length is guarded to its class
 (``sizes.pin_length_class``), the same on every rank.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import torch.nn.functional as F
 
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
 from ulysses_compile.report import module_path
+from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
 from ulysses_compile.sharding import block_sizes
 from ulysses_compile.sizes import is_symbolic, pin_length_class, same_size
 
-from .recognize_flash_attention import flash_attention, flash_attention_varlen
 
 log = logging.getLogger("ulysses_compile")
 
@@ -141,13 +143,14 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
             site = _flash_site(node)
         elif _is(node, SOFTMAX):
             site = _handwritten_site(node)
-            if not isinstance(site, AttentionSite):
-                if site is not None:
-                    ctx.report.rejected_attention.append(f"{module_path(node) or node.name}: {site}")
-                    log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
-                continue
-            site.output_marker = _mark_output(gm.graph, site)
+            if isinstance(site, AttentionSite):
+                site.output_marker = _mark_output(gm.graph, site)
         else:
+            continue
+        if not isinstance(site, AttentionSite):
+            if site is not None:
+                ctx.report.rejected_attention.append(f"{module_path(node) or node.name}: {site}")
+                log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
         _check_heads(site, ctx.world_size)
         pin_length_class(site.seq_len, ctx.world_size)
@@ -172,11 +175,6 @@ BETWEEN = (
 
 def _is(node, targets) -> bool:
     return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
-
-
-def attention_output(x, head_axis: int, seq_axis: int):
-    """Marks where a hand-written attention's result leaves the head-parallel region (identity)."""
-    return x
 
 
 def _mark_output(graph: fx.Graph, site: "AttentionSite") -> fx.Node:
@@ -335,10 +333,8 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
     args = sdpa_arguments(node)
     q = _value(args["query"])
     if q.dim() < 3:
-        raise DivisibilityError(
-            f"attention {module_path(node) or node.name}: query has shape {tuple(q.shape)}; expected "
-            f"[..., heads, sequence, head_dim] so heads can be split across ranks"
-        )
+        return (f"scaled_dot_product_attention on a query of shape {list(q.shape)} has no head dim to split "
+                f"over the ranks (expected [..., heads, sequence, head_dim]); it runs whole on every rank")
     consumers = {}
     for name in ("query", "key", "value", "attn_mask"):
         if SDPA_PARAMS.index(name) < len(node.args):

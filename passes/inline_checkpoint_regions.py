@@ -28,6 +28,8 @@ After (golden: ``tests/test_checkpointing.py::test_checkpointed_region_is_inline
 
 A region checkpointed with a ``context_fn`` (selective checkpointing) keeps its policy out of reach of
 the Dynamo graph: it is recomputed whole, and the report says so.
+
+``recompute_inserted_nodes`` is pinned in ``tests/test_pass_goldens.py::test_recompute_inserted_nodes``.
 """
 
 from __future__ import annotations

@@ -23,15 +23,16 @@ heads; otherwise (MQA, fewer KV heads than ranks, uneven GQA) each rank gathers 
 the KV heads its query heads use (``gather_kv_heads``). A repeat of KV heads written in the model (HF
 ``repeat_kv``) is redone after the communication, so repeated heads are never sent. The backward of
 each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_insert_all_to_all``.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads
+from ulysses_compile.runtime import repeat_heads
 from ulysses_compile.sharding import PLACEMENT_KEY, NodeSharding, Shard, block_range, sharding_of
 
 
@@ -51,8 +52,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
         if site.scores is None:
             _narrow_mask_heads(graph, site, ctx)
         output = site.node
-        to_seq = skipped_heads_to_seq if os.environ.get(FAULT_ENV) == "skip_output_all_to_all" else heads_to_seq
-        back = _mark(insert_call(graph, to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
+        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
                                                  ctx.world_size, ctx.group_name), after=output),
                      Shard(site.seq_axis), output)
         output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
@@ -65,17 +65,6 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
             _erase_unused_chain(graph, repeated, source)
 
 
-# A deliberate bug, for tests of the checks against eager (`verify`) only: the output's all-to-all is
-# replaced by a local stand-in of the same shape.
-FAULT_ENV = "ULYSSES_COMPILE_TEST_FAULT"
-
-
-def skipped_heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
-    """The fault: this rank's sequence block of its own heads, repeated over the heads (even splits)."""
-    block = x.shape[seq_dim] // world_size
-    return x.narrow(seq_dim, rank * block, block).repeat_interleave(world_size, dim=head_dim)
-
-
 def _set_arg(node: fx.Node, slot: int | str, new) -> None:
     if isinstance(slot, int):
         args = list(node.args)
@@ -83,14 +72,6 @@ def _set_arg(node: fx.Node, slot: int | str, new) -> None:
         node.args = tuple(args)
     else:
         node.kwargs = {**node.kwargs, slot: new}
-
-
-def repeat_heads(x, head_axis: int, repeat: int):
-    """Each head ``repeat`` times in a row, as HF's repeat_kv does; on this rank's heads only."""
-    shape = list(x.shape)
-    expanded = x.unsqueeze(head_axis + 1).expand(*shape[: head_axis + 1], repeat, *shape[head_axis + 1 :])
-    shape[head_axis] *= repeat
-    return expanded.reshape(shape)
 
 
 def _sharded_on(node: fx.Node | None, dim: int) -> bool:

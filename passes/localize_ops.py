@@ -12,6 +12,8 @@ After (P = 2)::
     m = x.mean(1) / 2                                # Partial: the ranks' terms sum to the mean
     loss = reduce_partial(F.cross_entropy(logits, labels, reduction="sum"), group)
            / reduce_partial(counted_tokens(labels, -100, None), group)
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_localize_ops``.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ After: the same graph, each node annotated with ``node.meta["ulysses_sharding"]`
 Graph inputs are global (every rank passes the same batch), so they start Replicate. Sharding starts
 where it pays: at a node on the way to an attention's q/k/v (and not to its mask, which must stay
 whole) whose inputs are all replicated, the first non-parameter input is offered sharded along its
-sequence dim (found by walking back from the attention, rules/sequence_dims.py); if the op's rule
+sequence dim (found by walking back from the attention, sequence_dims.py); if the op's rule
 accepts that, the input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
 no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_propagate_sharding``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ulysses_compile.sharding import (
 )
 
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
-from .rules.sequence_dims import sequence_dims
+from .sequence_dims import sequence_dims
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx) -> None:

@@ -18,6 +18,8 @@ Only a boolean mask that depends on no graph input (no ids, no padding mask, no 
 buffer) is considered: the pass computes it once and rewrites only if every [query, key] slice equals
 the lower triangle, so the result is exactly the model's. A mask built from an ``attention_mask`` or
 ``position_ids`` the user passes is kept (its values can change between calls).
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_recognize_causal_mask``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ read off the captured forward and backward; detect_attention then finds them as 
 all-to-all every rank holds the whole packed sequence for its heads, so the global ``cu_seqlens`` apply
 unchanged. flash-attn entry points whose forward is not one kernel on q, k, v (packed qkv, paged or
 left-padded keys) stay as they are, run replicated, and are reported.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_recognize_flash_attention``.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ import operator
 import torch
 import torch.fx as fx
 
+from ulysses_compile.compat import op_name
 from ulysses_compile.report import module_path
+from ulysses_compile.runtime import flash_attention, flash_attention_varlen
 
 
 FLASH_FORWARD = "flash_attn::_flash_attn_forward"
@@ -42,66 +46,8 @@ VARLEN_FORWARD_PARAMS = ("q", "k", "v", *PACKING, *SETTINGS, "block_table", "lef
 DETERMINISTIC_INDEX = {FLASH_BACKWARD: 16, FLASH_VARLEN_BACKWARD: 20}  # in the backward kernel's arguments
 
 
-class _FlashAttention(torch.autograd.Function):
-    """flash-attn's forward and backward kernels, called through the torch ops flash-attn registers;
-    ``packing`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) selects the varlen kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic):
-        kernels = torch.ops.flash_attn
-        settings = dict(causal=causal, window_size_left=window_size[0], window_size_right=window_size[1],
-                        softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=False)
-        if packing is None:
-            out, softmax_lse, _, rng_state = kernels._flash_attn_forward(q, k, v, dropout_p, softmax_scale, **settings)
-        else:
-            out, softmax_lse, _, rng_state = kernels._flash_attn_varlen_forward(
-                q, k, v, *packing, dropout_p, softmax_scale, **settings)
-        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
-        ctx.packing = packing
-        ctx.settings = (dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes, deterministic)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, softmax_lse, rng_state = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        operands = (grad.contiguous(), q, k, v, out, softmax_lse, dq, dk, dv)
-        if ctx.packing is None:
-            torch.ops.flash_attn._flash_attn_backward(*operands, *ctx.settings, rng_state=rng_state)
-        else:
-            torch.ops.flash_attn._flash_attn_varlen_backward(*operands, *ctx.packing, *ctx.settings,
-                                                             rng_state=rng_state)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-def flash_attention(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple,
-                    softcap: float, alibi_slopes, deterministic: bool):
-    """What ``flash_attn_func`` runs, on ``[B, S, H, D]`` (Hkv may be fewer: MQA/GQA)."""
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    return _FlashAttention.apply(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                 deterministic)
-
-
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                           dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple, softcap: float,
-                           alibi_slopes, deterministic: bool):
-    """What ``flash_attn_varlen_func`` runs, on sequences packed into ``[total, H, D]``."""
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    packing = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _FlashAttention.apply(q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap,
-                                 alibi_slopes, deterministic)
-
-
-def _op_name(node: fx.Node) -> str | None:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return None
-    return target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
-
-
 def _calls(body: fx.GraphModule, name: str) -> list[fx.Node]:
-    return [node for node in body.graph.nodes if _op_name(node) == name]
+    return [node for node in body.graph.nodes if op_name(node) == name]
 
 
 def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
@@ -121,7 +67,7 @@ def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:
     if len(forwards) != 1:
         return "more than one flash-attn kernel in one autograd.Function"
     (forward,) = forwards
-    varlen = _op_name(forward) == FLASH_VARLEN_FORWARD
+    varlen = op_name(forward) == FLASH_VARLEN_FORWARD
     settings = dict(zip(VARLEN_FORWARD_PARAMS if varlen else FORWARD_PARAMS, forward.args))
     settings.update(forward.kwargs)
     placeholders = [n for n in forward_body.graph.nodes if n.op == "placeholder"]

@@ -15,6 +15,8 @@ After::
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_redistribute``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_seq, insert_call, reduce_partial, scatter_seq, seq_to_heads, sync_grad
+from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import (
     PLACEMENT_KEY,
     REPLICATE,
@@ -78,7 +81,7 @@ class _Redistributor:
         if have == want:
             return node
         if isinstance(want, Partial):
-            raise AssertionError(f"no conversion to Partial for {node.name}")
+            raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
         return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
                             node, want)
 

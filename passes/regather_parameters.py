@@ -10,6 +10,8 @@ After: the same graph, the gather tagged ``recompute = MUST_RECOMPUTE``. AOTAuto
 the all-gather it traces, and its partitioner then re-runs the gather in the backward where the weight
 is needed, so between its uses the full parameter is freed and only the shard stays alive. Stages 1
 and 2 (``regather_in_backward=False``) keep the gathered parameter: less traffic, more memory.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_regather_parameters``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Shard
 
+from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
 from ulysses_compile.sharding import REPLICATE
 
-from ..detect_attention import SDPA_TARGETS, attention_output, sdpa_arguments
-from ..recognize_flash_attention import flash_attention, flash_attention_varlen
+from ..detect_attention import SDPA_TARGETS, sdpa_arguments
 
 from . import Decision, register
 
@@ -22,6 +22,8 @@ from . import Decision, register
 def sdpa_rule(node, view):
     args = sdpa_arguments(node)
     q, k, v, mask = args["query"], args["key"], args["value"], args.get("attn_mask")
+    if view.value(q).dim() < 3:
+        return None  # no head dim: not a site (detect_attention reports it), computed on whole inputs
     seq_axis = view.value(q).dim() - 2
     demands = {q: Shard(seq_axis), k: Shard(seq_axis), v: Shard(seq_axis)}
     if isinstance(mask, fx.Node):

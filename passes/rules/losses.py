@@ -15,20 +15,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.collectives import insert_call, reduce_partial
+from ulysses_compile.runtime import counted_tokens
 from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, register
 
 PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-
-
-def counted_tokens(target, ignore_index, weight):
-    """The denominator torch uses for reduction="mean": the (weighted) number of non-ignored targets."""
-    valid = target != ignore_index
-    if weight is None:
-        return valid.sum()
-    return (weight[target.masked_fill(~valid, 0)] * valid).sum()
 
 
 def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> None:

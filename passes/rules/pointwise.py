@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.collectives import take_block
+from ulysses_compile.runtime import dropout_block
 from ulysses_compile.sharding import REPLICATE, seq_factors, seq_shard
 from ulysses_compile.sizes import size_arg
 
@@ -99,19 +99,6 @@ def cast_like_rule(node, view):
 
 
 DROPOUT_PARAMS = ("input", "p", "training", "inplace")
-
-
-def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank: int,
-                  world_size: int):
-    """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
-    draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
-    independent, as on one device. Inductor computes only the block's elements of the random tensor."""
-    if not training or p == 0:
-        return x
-    if p == 1:
-        return x * 0
-    keep = take_block(torch.rand(shape, device=x.device), dim, outer, inner, rank, world_size) >= p
-    return x * keep / (1 - p)
 
 
 def _localize_dropout(node, sharding, ctx) -> None:

@@ -26,9 +26,17 @@ from ulysses_compile.sharding import (
 )
 
 from ulysses_compile.compat import statically_known_true
+from ulysses_compile.runtime import summed_away
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, index_entries, method_or_function_args, normalize_dim, register
+
+# The op tables the rules register and sequence_dims.py walks back through.
+VIEWS = ("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
+         "reshape_as")
+TRANSPOSES = ("transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims", torch.swapdims)
+SPLITS = ("split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split)
+UNBINDS = ("unbind", torch.unbind)
 
 
 def _flat_position(shape, dim, outer, inner):
@@ -61,8 +69,7 @@ def _localize_shape(method: str):
     return localize
 
 
-@register("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
-          "reshape_as")
+@register(*VIEWS)
 def view_rule(node, view):
     source = node.args[0]
     factors = view.sharded(source)
@@ -171,7 +178,7 @@ def _squeeze(node, dim, in_value, out):
     return dim - sum(1 for d in squeezed if d < dim)
 
 
-register("transpose", torch.transpose, "swapaxes", torch.swapaxes)(_dim_map_rule(_transpose))
+register(*TRANSPOSES)(_dim_map_rule(_transpose))
 register("permute", torch.permute)(_dim_map_rule(_permute))
 register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
 register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
@@ -252,11 +259,6 @@ def _indexed(view, source, index) -> Decision | None:
     return None
 
 
-def summed_away(x, dim: int):
-    """Sum over an empty dim: zeros of ``x``'s dtype, connected to ``x``."""
-    return x.sum(dim).to(x.dtype)
-
-
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
     """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
     so the partial values sum to the global result (pooling on the first or last token). Elsewhere the
@@ -281,7 +283,7 @@ def _split_dim(node):
     return method_or_function_args(node, names, {"dim": 0})["dim"]
 
 
-@register("split", torch.split, "chunk", torch.chunk, "unbind", torch.unbind, "tensor_split", torch.tensor_split)
+@register(*SPLITS, *UNBINDS)
 def split_rule(node, view):
     source = node.args[0]
     factors = view.sharded(source)

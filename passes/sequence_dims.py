@@ -17,15 +17,10 @@ import torch.nn.functional as F
 
 from ulysses_compile.sharding import seq_factors
 
-from . import index_entries, method_or_function_args, normalize_dim
-from .shape_ops import view_placement
+from .rules import index_entries, method_or_function_args, normalize_dim
+from .rules.shape_ops import SPLITS, TRANSPOSES, UNBINDS, VIEWS, view_placement
 
-VIEWS = ("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
-         "reshape_as")
-TRANSPOSES = ("transpose", torch.transpose, "swapaxes", "swapdims")
 PRODUCTS = (F.linear, torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm")
-SPLITS = ("split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split)
-UNBINDS = ("unbind", torch.unbind)
 
 
 def sequence_dims(sites, parameters) -> dict[fx.Node, int]:

@@ -1,0 +1,298 @@
+"""What each pass does to a small graph, pinned: the lines a pass removes (-) and adds (+) in the code
+of a model chosen to exercise it, at P = 2 on a fake process group; for passes that only annotate nodes,
+the annotations. Each pass's docstring points here. Regenerate after an intended change with
+``EXPECTTEST_ACCEPT=1 pytest tests/test_pass_goldens.py`` and read the diff.
+
+``inline_checkpoint_regions`` is pinned in ``tests/test_checkpointing.py``; ``check_local_shapes``
+only checks (its code after equals its code before)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+
+from attention_forms import FORMS
+from graphs import rewritten_graphs
+from ulysses_compile.pipeline import PASSES
+
+DIM, HEADS, SEQ = 16, 2, 8
+
+
+class SDPAttention(nn.Module):
+    """One causal SDPA attention between two projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MaskedAttention(SDPAttention):
+    """A boolean causal mask built from aranges, as transformers builds it."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        mask = (positions[None, :] <= positions[:, None])[None, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class HandwrittenAttention(SDPAttention):
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        probs = torch.softmax(q @ k.transpose(-2, -1) / (d // HEADS) ** 0.5, dim=-1)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class TokenLoss(SDPAttention):
+    """Attention, then a mean cross-entropy over every position."""
+
+    def forward(self, x, labels):
+        return F.cross_entropy(super().forward(x).flatten(0, 1), labels.flatten())
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(DIM, HEADS, bias=False, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+def _features():
+    return torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(0))
+
+
+def _report(fake_group, model, *args, **options):
+    fake_group(2)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(model, args, **options)
+    return gm, gm.meta["ulysses_report"]
+
+
+def _lines(code: str) -> list[str]:
+    code = re.sub(r";  [\w =]+ = None", "", code)
+    return [line.rstrip() for line in code.strip().splitlines() if line.strip()]
+
+
+def _changes(report, graph_pass) -> str:
+    """The lines ``graph_pass`` removed and added, in order, from the code before it to the code after."""
+    names = [p.__name__ for p in PASSES]
+    index = names.index(graph_pass)
+    before = next((report.graphs[name] for name in reversed(names[:index]) if name in report.graphs),
+                  report.captured)
+    diff = difflib.unified_diff(_lines(before), _lines(report.graphs[graph_pass]), lineterm="", n=0)
+    return "\n".join(line for line in diff if line[:1] in "+-" and line[:3] not in ("---", "+++"))
+
+
+def _annotated(gm, describe) -> str:
+    return "\n".join(f"{node.name}: {text}" for node in gm.graph.nodes if (text := describe(node)) is not None)
+
+
+def test_decompose_multi_head_attention(fake_group):
+    _, report = _report(fake_group, MultiHeadAttention(), _features())
+    assert_expected_inline(_changes(report, "decompose_multi_head_attention"), """\
+-    multi_head_attention_forward = torch.nn.functional.multi_head_attention_forward(query, query, query, 16, 2, l_self_modules_mha_parameters_in_proj_weight_, None, None, None, False, 0.0, l_self_modules_mha_modules_out_proj_parameters_weight_, None, training = True, key_padding_mask = None, need_weights = False, attn_mask = None, average_attn_weights = True, is_causal = False)
+-    attn_output = multi_head_attention_forward[0]
+-    attn_output_1 = attn_output.transpose(1, 0)
++    chunk = l_self_modules_mha_parameters_in_proj_weight_.chunk(3)
++    getitem_1 = chunk[0]
++    getitem_2 = chunk[1]
++    getitem_3 = chunk[2]
++    linear = torch._C._nn.linear(query, getitem_1, None)
++    view = linear.view(8, 2, 2, 8)
++    permute = view.permute(1, 2, 0, 3)
++    linear_1 = torch._C._nn.linear(query, getitem_2, None)
++    view_1 = linear_1.view(8, 2, 2, 8)
++    permute_1 = view_1.permute(1, 2, 0, 3)
++    linear_2 = torch._C._nn.linear(query, getitem_3, None)
++    view_2 = linear_2.view(8, 2, 2, 8)
++    permute_2 = view_2.permute(1, 2, 0, 3)
++    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(permute, permute_1, permute_2, attn_mask = None, dropout_p = 0.0, is_causal = False)
++    permute_3 = scaled_dot_product_attention.permute(2, 0, 1, 3)
++    reshape = permute_3.reshape(8, 2, 16)
++    linear_3 = torch._C._nn.linear(reshape, l_self_modules_mha_modules_out_proj_parameters_weight_, None)
++    attn_output_1 = linear_3.transpose(1, 0)""")
+
+
+def test_recognize_flash_attention(fake_group):
+    model, args, _ = FORMS["flash_attn"]()
+    _, report = _report(fake_group, model, *args)
+    assert_expected_inline(_changes(report, "recognize_flash_attention"), """\
+-    fwd_body_0 = self.fwd_body_0
+-    bwd_body_0 = self.bwd_body_0
+-    autograd_function_apply = torch.ops.higher_order.autograd_function_apply(fwd_body_0, bwd_body_0, q, k, v, non_differentiable_idx = [], saved_for_backward_idx = [0, 1, 2, 3, 4, 5])
+-    getitem_2 = autograd_function_apply[0]
+-    reshape = getitem_2.reshape(2, 32, 32)
++    flash_attention = ulysses_compile_runtime_flash_attention(q, k, v, dropout_p = 0.0, softmax_scale = 0.3535533905932738, causal = True, window_size = (-1, -1), softcap = 0.0, alibi_slopes = None, deterministic = False)
++    reshape = flash_attention.reshape(2, 32, 32)""")
+
+
+def test_recognize_causal_mask(fake_group):
+    _, report = _report(fake_group, MaskedAttention(), _features())
+    assert_expected_inline(_changes(report, "recognize_causal_mask"), """\
+-    positions = torch.arange(8, device = device(type='cpu'))
+-    getitem_3 = positions[(None, slice(None, None, None))]
+-    getitem_4 = positions[(slice(None, None, None), None)]
+-    le = getitem_3 <= getitem_4
+-    mask = le[(None, None)]
+-    y = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = mask)
++    y = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = None, is_causal = True)""")
+
+
+def test_detect_attention(fake_group):
+    _, report = _report(fake_group, HandwrittenAttention(), _features())
+    assert_expected_inline(_changes(report, "detect_attention"), """\
+-    transpose_1 = matmul_1.transpose(1, 2)
++    attention_output = ulysses_compile_runtime_attention_output(matmul_1, 1, 2)
++    transpose_1 = attention_output.transpose(1, 2)""")
+
+
+def test_propagate_sharding(fake_group):
+    from ulysses_compile.sharding import describe, sharding_of
+
+    gm, _ = _report(fake_group, SDPAttention(), _features())
+
+    def placement(node):
+        sharding = sharding_of(node)
+        return None if sharding is None or node.meta.get("ulysses_inserted") else describe(sharding.output)
+
+    assert_expected_inline(_annotated(gm, placement), """\
+l_x_: R
+l_self_modules_qkv_parameters_weight_: R
+l_self_modules_out_parameters_weight_: R
+linear: S(1)
+view: S(1)
+permute: S(3)
+q: S(2)
+k: S(2)
+v: S(2)
+y: S(1)
+transpose: S(1)
+reshape: S(1)
+linear_1: S(1)""")
+
+
+def test_redistribute(fake_group):
+    _, report = _report(fake_group, SDPAttention(), _features())
+    assert_expected_inline(_changes(report, "redistribute"), """\
+-    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
++    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
++    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
++    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
+-    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
+-    return (linear_1,)
++    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
++    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, dim = 1, outer = 1, inner = 1, length = 8, rank = 0, world_size = 2, group_name = '0')
++    return (gather_seq,)""")
+
+
+def test_average_data_parallel_grads(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(SDPAttention(), (_features(),), mesh=mesh)
+    assert_expected_inline(_changes(gm.meta["ulysses_report"], "average_data_parallel_grads"), """\
+-    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '3')
+-    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '3')
++    average_grad_1 = ulysses_compile_collectives_average_grad(l_self_modules_out_parameters_weight_, group_name = '1', group_size = 2)
++    average_grad = ulysses_compile_collectives_average_grad(l_self_modules_qkv_parameters_weight_, group_name = '1', group_size = 2)
++    sync_grad_1 = ulysses_compile_collectives_sync_grad(average_grad_1, group_name = '3')
++    sync_grad = ulysses_compile_collectives_sync_grad(average_grad, group_name = '3')""")
+
+
+def test_regather_parameters(fake_group):
+    from graphs import parallelized_graphs
+    from ulysses_compile import parallelize
+
+    fake_group(2)
+    torch.manual_seed(0)
+    model = parallelize(SDPAttention(), zero_stage=3, compiler="eager")
+    gm = parallelized_graphs(model, {"x": _features()}, backward_of=lambda output: output.sum())[0]
+    assert_expected_inline(_annotated(gm, lambda node: str(node.meta["recompute"]) if "recompute" in node.meta
+                                      else None), """\
+gather_parameter: CheckpointPolicy.MUST_RECOMPUTE
+gather_parameter_1: CheckpointPolicy.MUST_RECOMPUTE""")
+
+
+def test_insert_all_to_all(fake_group):
+    _, report = _report(fake_group, SDPAttention(), _features())
+    assert_expected_inline(_changes(report, "insert_all_to_all"), """\
+-    y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
+-    transpose = y.transpose(1, 2)
++    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    y = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
++    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
++    transpose = heads_to_seq.transpose(1, 2)""")
+
+
+def test_localize_ops(fake_group):
+    labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    _, report = _report(fake_group, TokenLoss(), _features(), labels)
+    assert_expected_inline(_changes(report, "localize_ops"), """\
+-    view = linear.view(2, 8, 3, 2, 8)
++    view = linear.view((2, 4, 3, 2, 8))
+-    reshape = transpose.reshape(2, 8, 16)
++    reshape = transpose.reshape((2, 4, 16))
+-    flatten = linear_1.flatten(0, 1)
++    flatten = linear_1.reshape((8, 16))
+-    cross_entropy = torch.nn.functional.cross_entropy(flatten, scatter_seq_1)
+-    return (cross_entropy,)
++    cross_entropy = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
++    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy, group_name = '0')
++    counted_tokens = ulysses_compile_runtime_counted_tokens(scatter_seq_1, -100, None)
++    reduce_partial_1 = ulysses_compile_collectives_reduce_partial(counted_tokens, group_name = '0')
++    truediv = reduce_partial / reduce_partial_1
++    return (truediv,)""")
+
+
+def test_check_local_shapes_changes_nothing(fake_group):
+    _, report = _report(fake_group, SDPAttention(), _features())
+    assert _changes(report, "check_local_shapes") == ""
+
+
+def test_recompute_inserted_nodes(fake_group):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(SDPAttention):
+        def forward(self, x):
+            return checkpoint(super().forward, x, use_reentrant=False)
+
+    gm, _ = _report(fake_group, Checkpointed(), _features())
+    assert_expected_inline(_annotated(gm, lambda node: f"ac_graph_id={node.meta['ac_graph_id']}" if (
+        node.meta.get("ulysses_inserted") and "ac_graph_id" in node.meta) else None), """\
+seq_to_heads: ac_graph_id=1
+seq_to_heads_1: ac_graph_id=1
+seq_to_heads_2: ac_graph_id=1
+heads_to_seq: ac_graph_id=1""")
+
+
+@pytest.mark.parametrize("graph_pass", PASSES, ids=[p.__name__ for p in PASSES])
+def test_every_pass_points_at_its_golden(graph_pass):
+    import sys
+
+    doc = sys.modules[graph_pass.__module__].__doc__
+    assert f"test_pass_goldens.py::test_{graph_pass.__name__}" in doc or (
+        graph_pass.__name__ == "inline_checkpoint_regions" and "tests/test_checkpointing.py" in doc), (
+        f"{graph_pass.__module__}: its docstring does not name its golden")

@@ -1,0 +1,100 @@
+"""What rewritten graphs call at run time, besides the collectives (``collectives.py``): the passes
+insert calls of these functions, and Dynamo-captured graphs keep them as plain calls until AOTAutograd
+traces through them. They hold no pass logic and import nothing from the passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import take_block
+
+
+def attention_output(x, head_axis: int, seq_axis: int):
+    """Marks where a hand-written attention's result leaves the head-parallel region (identity)."""
+    return x
+
+
+class _FlashAttention(torch.autograd.Function):
+    """flash-attn's forward and backward kernels, called through the torch ops flash-attn registers;
+    ``packing`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) selects the varlen kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic):
+        kernels = torch.ops.flash_attn
+        settings = dict(causal=causal, window_size_left=window_size[0], window_size_right=window_size[1],
+                        softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=False)
+        if packing is None:
+            out, softmax_lse, _, rng_state = kernels._flash_attn_forward(q, k, v, dropout_p, softmax_scale, **settings)
+        else:
+            out, softmax_lse, _, rng_state = kernels._flash_attn_varlen_forward(
+                q, k, v, *packing, dropout_p, softmax_scale, **settings)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
+        ctx.packing = packing
+        ctx.settings = (dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes, deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, softmax_lse, rng_state = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        operands = (grad.contiguous(), q, k, v, out, softmax_lse, dq, dk, dv)
+        if ctx.packing is None:
+            torch.ops.flash_attn._flash_attn_backward(*operands, *ctx.settings, rng_state=rng_state)
+        else:
+            torch.ops.flash_attn._flash_attn_varlen_backward(*operands, *ctx.packing, *ctx.settings,
+                                                             rng_state=rng_state)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple,
+                    softcap: float, alibi_slopes, deterministic: bool):
+    """What ``flash_attn_func`` runs, on ``[B, S, H, D]`` (Hkv may be fewer: MQA/GQA)."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return _FlashAttention.apply(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                 deterministic)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float, softmax_scale: float, causal: bool, window_size: tuple, softcap: float,
+                           alibi_slopes, deterministic: bool):
+    """What ``flash_attn_varlen_func`` runs, on sequences packed into ``[total, H, D]``."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    packing = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _FlashAttention.apply(q, k, v, packing, dropout_p, softmax_scale, causal, window_size, softcap,
+                                 alibi_slopes, deterministic)
+
+
+def repeat_heads(x, head_axis: int, repeat: int):
+    """Each head ``repeat`` times in a row, as HF's repeat_kv does; on this rank's heads only."""
+    shape = list(x.shape)
+    expanded = x.unsqueeze(head_axis + 1).expand(*shape[: head_axis + 1], repeat, *shape[head_axis + 1 :])
+    shape[head_axis] *= repeat
+    return expanded.reshape(shape)
+
+
+def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank: int,
+                  world_size: int):
+    """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
+    draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
+    independent, as on one device. Inductor computes only the block's elements of the random tensor."""
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0
+    keep = take_block(torch.rand(shape, device=x.device), dim, outer, inner, rank, world_size) >= p
+    return x * keep / (1 - p)
+
+
+def counted_tokens(target, ignore_index, weight):
+    """The denominator torch uses for reduction="mean": the (weighted) number of non-ignored targets."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum()
+    return (weight[target.masked_fill(~valid, 0)] * valid).sum()
+
+
+def summed_away(x, dim: int):
+    """Sum over an empty dim: zeros of ``x``'s dtype, connected to ``x``."""
+    return x.sum(dim).to(x.dtype)
