@@ -202,9 +202,10 @@ def _rank(rank: int, world_size: int, port: int, config: str, measure: str, seq_
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world_size))
     if config in COMPUTE_ONLY:
-        from ulysses_compile.compat import FakeStore
+        from ulysses_compile.compat import register_fake_backend
 
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        register_fake_backend()
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     elif config != "one":
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -142,6 +142,40 @@ class NotAttention(nn.Module):
         return (mixing @ h).transpose(1, 2).reshape(b, s, d)
 
 
+class HeadlessSDPA(nn.Module):
+    """Attention, then SDPA on each sequence as a 2-D ``[S, D]`` query (no head dim): the second cannot
+    be split by heads; it is reported and computed on the whole sequence."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.attn = EinsumAttention(dim, heads)
+
+    def forward(self, x):
+        h = self.attn(x)
+        return torch.stack([F.scaled_dot_product_attention(row, row, row) for row in h.unbind(0)])
+
+
+class LatentQueries(nn.Module):
+    """Perceiver-style cross-attention: the queries are a parameter, so no sequence of the inputs reaches
+    them; the keys and values come from the tokens."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.embedding = nn.Embedding(128, 32)
+        self.latents = nn.Parameter(torch.randn(1, heads, 6, head_dim))
+        self.key_value = nn.Linear(32, 2 * heads * head_dim)
+        self.head = nn.Linear(heads * head_dim, 3)
+
+    def forward(self, ids, labels):
+        batch, seq = ids.shape
+        key, value = self.key_value(self.embedding(ids)).view(batch, seq, 2, self.heads, self.head_dim).unbind(2)
+        queries = self.latents.expand(batch, -1, -1, -1)
+        out = F.scaled_dot_product_attention(queries, key.transpose(1, 2), value.transpose(1, 2))
+        logits = self.head(out.transpose(1, 2).flatten(2).mean(1))
+        return logits, F.cross_entropy(logits, labels)
+
+
 class PaddedSelfAttention(nn.Module):
     """nn.MultiheadAttention called the common way: ``out, _ = mha(x, x, x, key_padding_mask=...)``."""
 
@@ -208,6 +242,7 @@ FORMS = {
                                                    (torch.randn(2, SEQ, 48), _padding()), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
     "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),
+    "sdpa_without_head_dim": _seeded(lambda: (HeadlessSDPA(), (_features(),), {})),
     "flash_attn": _seeded(lambda: (FlashAttention(), (_features(),), {})),
     "flash_attn_gqa_alibi_window": _seeded(lambda: (FlashAttention(kv_heads=2, alibi=True, window=8), (_features(),), {})),
 }
@@ -226,4 +261,4 @@ def outputs_of(result, seed: int = 4) -> dict[str, torch.Tensor]:
     return {"loss": loss, **{f"output {i}": t for i, t in enumerate(tensors)}}
 
 
-__all__ = ["FORMS", "VOCAB", "outputs_of"]
+__all__ = ["FORMS", "VOCAB", "LatentQueries", "outputs_of"]

@@ -6,12 +6,14 @@ import torch.distributed as dist
 @pytest.fixture
 def fake_group():
     """A one-process "fake" process group at a chosen world size: collectives are shape-only."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from ulysses_compile.compat import register_fake_backend
+
+    register_fake_backend()
 
     def init(world_size: int, rank: int = 0):
         if dist.is_initialized():
             dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
         return dist.group.WORLD
 
     torch._dynamo.reset()

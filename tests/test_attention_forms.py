@@ -10,7 +10,7 @@ import torch
 
 from attention_forms import FORMS, outputs_of
 from multirank import compare_model, run_ranks
-from test_structure import calls, rewritten_graphs
+from graphs import calls, rewritten_graphs
 from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads
 
 SDPA = "scaled_dot_product_attention"
@@ -29,6 +29,7 @@ EXPECTED = {
     "sdpa_per_head_bias_6_heads": ([SDPA], False),
     "attention_weights_returned": (["matmul_softmax"], False),
     "not_attention_softmax_over_queries": (["einsum_softmax"], False),
+    "sdpa_without_head_dim": (["einsum_softmax"], False),
     "flash_attn": (["flash_attn"], False),
     "flash_attn_gqa_alibi_window": (["flash_attn"], True),
 }
@@ -51,7 +52,7 @@ def test_form_is_found_at_four_ranks(fake_group, name):
     assert len(calls(gm, gather_kv_heads)) == (2 * len(sites) if kv_gathered else 0)
     assert len(calls(gm, heads_to_seq)) == len(sites)
     fallbacks = gm.meta["ulysses_report"].fallbacks
-    assert fallbacks == [] or name == "not_attention_softmax_over_queries", fallbacks
+    assert fallbacks == [] or name in ("not_attention_softmax_over_queries", "sdpa_without_head_dim"), fallbacks
 
 
 def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
@@ -60,6 +61,16 @@ def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
     (gm,) = rewritten_graphs(model, args, kwargs)
     (rejected,) = gm.meta["ulysses_report"].rejected_attention
     assert rejected.startswith("mixing") and "softmax runs over dim -2, not over the key positions" in rejected
+
+
+def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
+    fake_group(2)
+    model, args, kwargs = FORMS["sdpa_without_head_dim"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    report = gm.meta["ulysses_report"]
+    assert len(report.rejected_attention) == 2, report.rejected_attention
+    assert all("on a query of shape [32, 32] has no head dim to split" in line for line in report.rejected_attention)
+    assert [fallback.op for fallback in report.fallbacks] == ["scaled_dot_product_attention"] * 2, report.fallbacks
 
 
 def test_reused_attention_weights_are_gathered_whole(fake_group):

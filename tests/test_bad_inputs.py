@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attention_forms import LatentQueries
 from models import tiny_llama, token_batch
 from multirank import compare_model, free_port, run_ranks
 from ulysses_compile import CollectiveError, OptionsError, RankMismatchError, UnsupportedError
@@ -111,27 +112,6 @@ class TokenMLP(nn.Module):
     def forward(self, ids, labels):
         logits = self.head(F.gelu(self.hidden(self.embedding(ids))))
         return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-class LatentQueries(nn.Module):
-    """Perceiver-style cross-attention: the queries are a parameter, so no sequence of the inputs reaches
-    them; the keys and values come from the tokens."""
-
-    def __init__(self, heads: int = 4, head_dim: int = 8):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.embedding = nn.Embedding(128, 32)
-        self.latents = nn.Parameter(torch.randn(1, heads, 6, head_dim))
-        self.key_value = nn.Linear(32, 2 * heads * head_dim)
-        self.head = nn.Linear(heads * head_dim, 3)
-
-    def forward(self, ids, labels):
-        batch, seq = ids.shape
-        key, value = self.key_value(self.embedding(ids)).view(batch, seq, 2, self.heads, self.head_dim).unbind(2)
-        queries = self.latents.expand(batch, -1, -1, -1)
-        out = F.scaled_dot_product_attention(queries, key.transpose(1, 2), value.transpose(1, 2))
-        logits = self.head(out.transpose(1, 2).flatten(2).mean(1))
-        return logits, F.cross_entropy(logits, labels)
 
 
 class FlatFeatures(nn.Module):
@@ -235,7 +215,7 @@ def call_after_the_group_is_destroyed(rank, world_size):
     dist.destroy_process_group(group)
     error, seconds = _raised(call)
     assert isinstance(error, CollectiveError), error
-    assert "process group of 2 ranks that has been destroyed; call torch._dynamo.reset()" in str(error)
+    assert "process group of 2 ranks that has been destroyed; call torch.compiler.reset()" in str(error)
     assert seconds < 1
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +130,14 @@ def make():
 """
 
 
+# The model file with the fault of tests/faults.py, applied in every rank that imports it.
+BROKEN = """
+from faults import drop_output_all_to_all
+
+drop_output_all_to_all()
+"""
+
+
 def _cli(*arguments, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ulysses_compile", *arguments], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600)
@@ -157,7 +166,9 @@ def test_cli_verify_passes_a_correct_program_and_catches_a_dropped_all_to_all(tm
     good = _cli("verify", spec, "--world-size", "2")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "every output and gradient matches eager" in good.stdout and "grad lm_head.weight" in good.stdout
-    broken = _cli("verify", spec, "--world-size", "2", env={"ULYSSES_COMPILE_TEST_FAULT": "skip_output_all_to_all"})
+    (tmp_path / "broken.py").write_text(textwrap.dedent(MODEL_FILE) + BROKEN)
+    broken = _cli("verify", f"{tmp_path}/broken.py:make", "--world-size", "2",
+                  env={"PYTHONPATH": str(Path(__file__).parent)})
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "output logits" in broken.stdout and "MISMATCH on ranks [0, 1]" in broken.stdout
 
@@ -165,7 +176,7 @@ def test_cli_verify_passes_a_correct_program_and_catches_a_dropped_all_to_all(tm
 def test_cross_attention_minimum_counts_each_sequence(fake_group):
     """Queries from 6 learned latents, keys and values from 30 tokens: each by its own all-to-all, and
     the minimum counts each length (it once took the query's for all three, reporting 3.00x)."""
-    from test_bad_inputs import LatentQueries
+    from attention_forms import LatentQueries
 
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 30))

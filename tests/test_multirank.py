@@ -103,16 +103,27 @@ def test_outputs_local_keeps_this_ranks_block():
     run_ranks(local_outputs, 2)
 
 
-def verify_passes(rank, world_size):
-    model, args, kwargs = nanogpt.make(seq_len=32)
+def verify_checks_against_eager(rank, world_size, outputs):
+    """``verify=True`` accepts a correct program, with outputs gathered or kept local (each rank's block
+    of uneven blocks, S = 31, compared with that block of eager's), and rejects one whose output
+    all-to-all was dropped (the test-only fault switch, S = 32)."""
+    from faults import output_all_to_all_dropped
+    from ulysses_compile import VerificationError
+
+    model, args, kwargs = nanogpt.make(seq_len=31)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager", "verify": True})
-    logits, loss = compiled(*args, **kwargs)
+    options = {"compiler": "aot_eager", "verify": True, "outputs": outputs}
+    logits, loss = torch.compile(model, backend="ulysses", options=options)(*args, **kwargs)
     assert_close("loss", loss, reference(*args, **kwargs)[1])
+    torch._dynamo.reset()
+    model, args, kwargs = nanogpt.make(seq_len=32)  # the fault's stand-in assumes even blocks
+    with output_all_to_all_dropped(), pytest.raises(VerificationError, match="MISMATCH"):
+        torch.compile(model, backend="ulysses", options=options)(*args, **kwargs)
 
 
-def test_verify_option_accepts_a_correct_program():
-    run_ranks(verify_passes, 2)
+@pytest.mark.parametrize("outputs", ["gather", "local"])
+def test_verify_option_accepts_a_correct_program_and_rejects_a_broken_one(outputs):
+    run_ranks(verify_checks_against_eager, 2, outputs)
 
 
 def zoo_equal_to_eager(rank, world_size, names):

@@ -10,9 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
+from graphs import calls, rewritten_graphs
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError, UnsupportedError
-from ulysses_compile.backend import ulysses
 from ulysses_compile.collectives import (
     gather_kv_heads,
     gather_seq,
@@ -22,23 +22,6 @@ from ulysses_compile.collectives import (
     seq_to_heads,
     sync_grad,
 )
-
-
-def rewritten_graphs(model, args, kwargs=None, **options):
-    """Compile with the ulysses backend (eager inner compiler) and return the rewritten graphs."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "eager", **options})
-        graphs.append(gm)
-        return compiled
-
-    torch.compile(model, backend=capture)(*args, **(kwargs or {}))
-    return graphs
-
-
-def calls(gm, fn):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -64,7 +64,7 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_c
         except (RuntimeError, ValueError) as gone:
             raise CollectiveError(
                 f"rank {rank}: {graph_name} was compiled for a process group of {world_size} ranks that has been "
-                f"destroyed; call torch._dynamo.reset() after init_process_group and compile the model again"
+                f"destroyed; call torch.compiler.reset() after init_process_group and compile the model again"
             ) from gone
         try:
             if not checked:

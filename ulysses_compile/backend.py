@@ -9,7 +9,14 @@ import torch
 import torch.fx as fx
 
 from .agreement import InputCheck, fingerprint, guarded, input_names
-from .compat import CompileContext, aot_autograd, compile_fx, make_boxed_func, min_cut_rematerialization_partition
+from .compat import (
+    CompileContext,
+    aot_autograd,
+    compile_fx,
+    list_mode_options,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+)
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -39,7 +46,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if original is not None:
-        compiled = verified(compiled, original, ctx)
+        compiled = verified(compiled, original, gm, ctx)
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
 
 
@@ -94,8 +101,6 @@ BUCKETING = {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all"}
 
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
     if compiler == "inductor":
-        from torch._inductor import list_mode_options
-
         patches = {**BUCKETING, **(list_mode_options(mode) if mode else {})}
         return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":

@@ -5,46 +5,36 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import CompileContext, detect_fake_mode
+from torch._guards import CompileContext
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._logging import trace_structured
-from torch.distributed._functional_collectives import (
-    all_gather_tensor,
-    all_reduce,
-    all_to_all_single,
-)
-from torch.distributed.checkpoint.state_dict import _init_optim_state
-from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
+from torch._inductor import list_mode_options
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 __all__ = [
     "BackendCompilerFailed",
     "CompileContext",
-    "FakeStore",
     "FakeTensor",
     "FakeTensorMode",
     "c10d_functional",
     "FakeTensorProp",
     "GraphAppendingTracer",
     "PythonReferenceAnalysis",
-    "_get_group_size_by_name",
-    "_init_optim_state",
     "_resolve_process_group",
-    "all_gather_tensor",
-    "all_reduce",
-    "all_to_all_single",
     "aot_autograd",
     "compile_fx",
-    "detect_fake_mode",
+    "list_mode_options",
     "dynamo_counters",
+    "register_fake_backend",
     "make_boxed_func",
+    "op_name",
     "min_cut_rematerialization_partition",
     "run_and_get_code",
     "statically_known_true",
@@ -71,3 +61,28 @@ def process_group_timeout(group) -> str:
         return str(group._get_backend(torch.device("cpu")).options._timeout)
     except (RuntimeError, AttributeError):
         return "see init_process_group(timeout=...)"
+
+
+def op_name(node) -> str | None:
+    """``namespace::name`` of the torch op a graph node calls (``flash_attn::_flash_attn_forward``)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    return target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+
+
+def register_fake_backend() -> None:
+    """Make ``init_process_group("fake", store=HashStore(), ...)`` available: a process group whose
+    collectives only produce results of the right shapes, for compiling as rank r of P in one process.
+    torch registers it when its test utilities are imported; the library does not import those."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if "FAKE" in dist.Backend._plugins:
+        return
+
+    def create(common_options, backend_options):
+        return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size,
+                                                 backend_options)
+
+    dist.Backend.register_backend(dist.Backend.FAKE, create, extended_api=True, devices=["cpu", "cuda"])

@@ -11,7 +11,7 @@ the backward, and each graph's code before and after every pass.
     print(report)                        # the summary table
     report.graphs[0].graphs["insert_all_to_all"]   # code after a pass; .captured is Dynamo's graph
 
-Like ``torch._dynamo.explain`` it resets Dynamo's caches first.
+Like ``torch._dynamo.explain`` it resets the compiler's caches first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import aot, rewrite
-from .compat import BackendCompilerFailed, FakeStore, c10d_functional, dynamo_counters, make_boxed_func
+from .compat import BackendCompilerFailed, c10d_functional, dynamo_counters, make_boxed_func, register_fake_backend
 from .errors import UlyssesError
 from .options import Options
 from .report import CollectiveCall, Report, SiteReport, module_path
@@ -55,9 +55,10 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         )
     opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
     report = Report(world_size=world_size, rank=rank)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     dynamo_counters.clear()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         compiled = torch.compile(copy.deepcopy(model), backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
         scalar = differentiable_scalar(compiled(*args, **kwargs))
@@ -69,7 +70,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         raise
     finally:
         dist.destroy_process_group()
-        torch._dynamo.reset()
+        torch.compiler.reset()
     report.graph_breaks = [f"{reason} (x{count})" for reason, count in
                            dynamo_counters["graph_break"].items()]
     return report

@@ -4,8 +4,11 @@ comparison table that it and ``python -m ulysses_compile verify`` print."""
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+from .collectives import take_block
 from .errors import VerificationError
+from .sharding import seq_factors, sharding_of
 
 RTOL = 1e-4
 
@@ -32,8 +35,12 @@ def compare(name_pairs, rtol: float = RTOL) -> tuple[list[str], bool]:
     return rows, ok
 
 
-def verified(compiled, original, ctx):
+def verified(compiled, original, gm: fx.GraphModule, ctx):
+    """``compiled`` checked on its first call against ``original`` (the captured graph) run eagerly. An
+    output the rewritten graph leaves sequence-sharded (``outputs="local"``) is compared with this
+    rank's block of the eager one."""
     checked = False
+    blocks = _output_blocks(gm)
 
     def run(*args):
         nonlocal checked
@@ -42,8 +49,11 @@ def verified(compiled, original, ctx):
             checked = True
             with torch.no_grad():  # on copies: the graph may update buffers in place
                 reference = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+            reference = [want if block is None or not isinstance(want, torch.Tensor)
+                         else take_block(want, *block, ctx.rank, ctx.world_size)
+                         for want, block in zip(reference, blocks, strict=True)]
             pairs = [(f"output {name}", got, want)
-                     for (name, got), (_, want) in zip(named_tensors(result), named_tensors(reference))]
+                     for (name, got), (_, want) in zip(named_tensors(list(result)), named_tensors(reference))]
             rows, ok = compare(pairs)
             if not ok:
                 raise VerificationError(
@@ -53,6 +63,18 @@ def verified(compiled, original, ctx):
         return result
 
     return run
+
+
+def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int] | None]:
+    """For each output of the rewritten graph, ``(dim, outer, inner)`` of its sequence sharding if it
+    leaves the graph sharded, else None."""
+    (output,) = gm.graph.find_nodes(op="output")
+    blocks = []
+    for arg in output.args[0]:
+        sharding = sharding_of(arg) if isinstance(arg, fx.Node) else None
+        placement = sharding.output if sharding is not None else None
+        blocks.append(None if placement is None or isinstance(placement, tuple) else seq_factors(placement))
+    return blocks
 
 
 def named_tensors(output, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
