@@ -69,9 +69,6 @@ def main() -> None:
         trainer = SequenceParallelTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=evaluation,
                                           zero_stage=args.zero_stage, mesh=mesh, compiler=args.compiler,
                                           dump_dir=args.dump_dir)
-    linear_dtypes = set()  # what the MLP's projection computes in: bfloat16 under --bf16's autocast
-    model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda module, inputs, output: linear_dtypes.add(str(output.dtype)))
     trainer.train()
     metrics = trainer.evaluate()
     predicted = trainer.predict(evaluation)
@@ -79,7 +76,7 @@ def main() -> None:
     if trainer.args.process_index == 0:
         history = [entry for entry in trainer.state.log_history if "loss" in entry]
         log = {"train": history, "eval_loss": metrics["eval_loss"], "test_loss": predicted.metrics["test_loss"],
-               "epochs": trainer.state.epoch, "linear_dtypes": sorted(linear_dtypes)}
+               "epochs": trainer.state.epoch}
         Path(args.out, "log.json").write_text(json.dumps(log, indent=1))
         print(f"losses {[round(entry['loss'], 4) for entry in history]}, eval loss {metrics['eval_loss']:.4f}")
 
