@@ -160,12 +160,17 @@ def test_cli_explain_on_a_model_file(tmp_path):
 
 
 @pytest.mark.multirank
-def test_cli_verify_passes_a_correct_program_and_catches_a_dropped_all_to_all(tmp_path):
+def test_cli_verify_passes_a_correct_program(tmp_path):
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
-    spec = f"{tmp_path}/model.py:make"
-    good = _cli("verify", spec, "--world-size", "2")
+    good = _cli("verify", f"{tmp_path}/model.py:make", "--world-size", "2")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "every output and gradient matches eager" in good.stdout and "grad lm_head.weight" in good.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_cli_verify_catches_a_dropped_all_to_all(tmp_path):
+    """The same fault as test_multirank's verify test, through the command line (slow: two more spawns)."""
     (tmp_path / "broken.py").write_text(textwrap.dedent(MODEL_FILE) + BROKEN)
     broken = _cli("verify", f"{tmp_path}/broken.py:make", "--world-size", "2",
                   env={"PYTHONPATH": str(Path(__file__).parent)})

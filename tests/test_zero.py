@@ -84,8 +84,10 @@ def tied_and_data_parallel_stages(rank, world_size):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_stages_train_like_eager(world_size):
+    """At 4 ranks in the slow tier; the default suite has stages 2 and 3 at 4 ranks in
+    test_training_loop.py (clipping, a 2 x 2 mesh) and test_data_streams.py."""
     run_ranks(zero_stages_train_like_eager, world_size)
 
 
