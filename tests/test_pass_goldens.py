@@ -35,28 +35,24 @@ class SDPAttention(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
+        return self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, s, d))
+
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MaskedAttention(SDPAttention):
     """A boolean causal mask built from aranges, as transformers builds it."""
 
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        positions = torch.arange(s, device=x.device)
+    def attend(self, q, k, v):
+        positions = torch.arange(q.shape[2], device=q.device)
         mask = (positions[None, :] <= positions[:, None])[None, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class HandwrittenAttention(SDPAttention):
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        probs = torch.softmax(q @ k.transpose(-2, -1) / (d // HEADS) ** 0.5, dim=-1)
-        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+    def attend(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
 
 
 class TokenLoss(SDPAttention):
@@ -152,8 +148,8 @@ def test_recognize_causal_mask(fake_group):
 -    getitem_4 = positions[(slice(None, None, None), None)]
 -    le = getitem_3 <= getitem_4
 -    mask = le[(None, None)]
--    y = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = mask)
-+    y = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = None, is_causal = True)""")
+-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = mask)
++    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask = None, is_causal = True)""")
 
 
 def test_detect_attention(fake_group):
@@ -183,7 +179,7 @@ permute: S(3)
 q: S(2)
 k: S(2)
 v: S(2)
-y: S(1)
+scaled_dot_product_attention: S(1)
 transpose: S(1)
 reshape: S(1)
 linear_1: S(1)""")
@@ -237,13 +233,13 @@ gather_parameter_1: CheckpointPolicy.MUST_RECOMPUTE""")
 def test_insert_all_to_all(fake_group):
     _, report = _report(fake_group, SDPAttention(), _features())
     assert_expected_inline(_changes(report, "insert_all_to_all"), """\
--    y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
--    transpose = y.transpose(1, 2)
+-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
+-    transpose = scaled_dot_product_attention.transpose(1, 2)
 +    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
 +    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
 +    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-+    y = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
-+    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
++    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
++    heads_to_seq = ulysses_compile_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
 
