@@ -137,8 +137,9 @@ def forms_equal_to_eager(rank, world_size, names, compiler):
 
 
 @pytest.mark.multirank
-def test_every_form_equal_to_eager_at_four_ranks():
-    run_ranks(forms_equal_to_eager, 4, sorted(FORMS), "aot_eager")
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_form_equal_to_eager_at_four_ranks(name):
+    run_ranks(forms_equal_to_eager, 4, [name], "aot_eager")
 
 
 @pytest.mark.multirank
