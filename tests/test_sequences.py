@@ -59,22 +59,29 @@ def _equal_to_eager(rank, model, args, kwargs, name):
     compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
 
 
-def lengths_and_layouts_equal_to_eager(rank, world_size):
-    zoo = model_zoo()
-    for seq in (30, 2):  # 8, 8, 7, 7 tokens per rank; shorter than the ranks: replicated
-        ids, labels = token_batch(seq=seq)
-        _equal_to_eager(rank, tiny_llama(), (), {"input_ids": ids, "labels": labels, "use_cache": False},
-                        f"llama S={seq}")
-    for name in ("roberta_padding", "bert_classifier"):  # cumsum positions, first-token pooling
-        factory, kind = zoo[name]
-        _equal_to_eager(rank, factory(), (), zoo_inputs(kind, seq=30), f"{name} S=30")
-    _equal_to_eager(rank, *sequence_first(seq=30), "sequence first S=30")
-    _equal_to_eager(rank, *graph_break_gpt(seq=30), "graph breaks S=30")
+def _case(name: str) -> tuple:
+    """(model, args, kwargs) of one case at four ranks: S = 30 splits 8, 8, 7, 7; S = 2 is shorter than
+    the ranks (replicated); cumsum positions, first-token pooling, a sequence-first layout, graph breaks."""
+    if name.startswith("llama"):
+        ids, labels = token_batch(seq=int(name.split("S=")[1]))
+        return tiny_llama(), (), {"input_ids": ids, "labels": labels, "use_cache": False}
+    if name in ("roberta_padding", "bert_classifier"):
+        factory, kind = model_zoo()[name]
+        return factory(), (), zoo_inputs(kind, seq=30)
+    return (sequence_first if name == "sequence_first" else graph_break_gpt)(seq=30)
+
+
+CASES = ["llama S=30", "llama S=2", "roberta_padding", "bert_classifier", "sequence_first", "graph_breaks"]
+
+
+def case_equal_to_eager(rank, world_size, name):
+    _equal_to_eager(rank, *_case(name), name)
 
 
 @pytest.mark.multirank
-def test_lengths_layouts_and_graph_breaks_equal_to_eager_at_four_ranks():
-    run_ranks(lengths_and_layouts_equal_to_eager, 4)
+@pytest.mark.parametrize("name", CASES)
+def test_lengths_layouts_and_graph_breaks_equal_to_eager_at_four_ranks(name):
+    run_ranks(case_equal_to_eager, 4, name)
 
 
 def data_times_sequence_mesh(rank, world_size):
