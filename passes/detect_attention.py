@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.compat import recompute_region
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
 from ulysses_compile.report import module_path
 from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
@@ -121,7 +122,7 @@ class AttentionSite:
 def _decide(site: AttentionSite, world_size: int) -> str:
     heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
     kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
-    checkpointed = ", in a checkpointed region (recomputed in the backward)" if "ac_graph_id" in site.node.meta else ""
+    checkpointed = ", in a checkpointed region (recomputed in the backward)" if recompute_region(site.node) is not None else ""
     return f"parallelized: heads per rank {heads}, key/value {kv}{checkpointed}"
 
 

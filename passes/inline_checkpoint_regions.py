@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ulysses_compile.compat import recompute_region, tag_recompute
 from ulysses_compile.report import module_path
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
@@ -79,7 +80,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
                 if copied.all_input_nodes and set(copied.all_input_nodes) <= weights:
                     weights.add(copied)
                 elif copied.target is not CHECKPOINT:
-                    copied.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=region)
+                    tag_recompute(copied, CheckpointPolicy.PREFER_RECOMPUTE, region)
                 env[node] = copied
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
@@ -122,13 +123,13 @@ def recompute_inserted_nodes(gm: fx.GraphModule, ctx) -> None:
     for node in reversed(nodes):
         below[node] = set().union(*(_regions(user, below) for user in node.users))
     for node in nodes:
-        if node.op == "call_function" and "ac_graph_id" not in node.meta and above[node] == below[node] \
+        if node.op == "call_function" and recompute_region(node) is None and above[node] == below[node] \
                 and len(below[node]) == 1:
-            node.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=next(iter(below[node])))
+            tag_recompute(node, CheckpointPolicy.PREFER_RECOMPUTE, next(iter(below[node])))
 
 
 def _regions(node: fx.Node, untagged: dict[fx.Node, set]) -> set:
     """The regions ``node`` belongs to: its own, or for an untagged node those found beyond it."""
-    if "ac_graph_id" in node.meta:
-        return {node.meta["ac_graph_id"]}
+    if recompute_region(node) is not None:
+        return {recompute_region(node)}
     return untagged.get(node, set())

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ulysses_compile.collectives import gather_parameter
+from ulysses_compile.compat import tag_recompute
 
 _SIGNATURE = inspect.signature(gather_parameter)
 
@@ -29,5 +30,4 @@ _SIGNATURE = inspect.signature(gather_parameter)
 def regather_parameters(gm: fx.GraphModule, ctx) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
         if _SIGNATURE.bind(*node.args, **node.kwargs).arguments.get("regather_in_backward", False):
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = 0
+            tag_recompute(node, CheckpointPolicy.MUST_RECOMPUTE, 0)

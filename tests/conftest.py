@@ -16,8 +16,8 @@ def fake_group():
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
         return dist.group.WORLD
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
-    torch._dynamo.reset()
+    torch.compiler.reset()

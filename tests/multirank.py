@@ -38,7 +38,7 @@ def _serve(rank, world_size, port, tasks, results):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     while (task := tasks.get()) is not None:
         fn, args = task
-        torch._dynamo.reset()
+        torch.compiler.reset()
         torch._dynamo.utils.counters.clear()
         try:
             fn(rank, world_size, *args)

@@ -127,7 +127,7 @@ def forms_equal_to_eager(rank, world_size, names, compiler):
     for name in names:
         model, args, kwargs = FORMS[name]()
         reference = copy.deepcopy(model)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(model, backend="ulysses", options={"compiler": compiler})
         got = outputs_of(compiled(*args, **kwargs))
         got["loss"].backward()

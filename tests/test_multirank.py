@@ -115,7 +115,7 @@ def verify_checks_against_eager(rank, world_size, outputs):
     options = {"compiler": "aot_eager", "verify": True, "outputs": outputs}
     logits, loss = torch.compile(model, backend="ulysses", options=options)(*args, **kwargs)
     assert_close("loss", loss, reference(*args, **kwargs)[1])
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, args, kwargs = nanogpt.make(seq_len=32)  # the fault's stand-in assumes even blocks
     with output_all_to_all_dropped(), pytest.raises(VerificationError, match="MISMATCH"):
         torch.compile(model, backend="ulysses", options=options)(*args, **kwargs)
@@ -133,7 +133,7 @@ def zoo_equal_to_eager(rank, world_size, names):
         model = factory()
         reference = copy.deepcopy(model)
         inputs = zoo_inputs(kind)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(**inputs)
         got.loss.backward()
         want = reference(**inputs)
@@ -158,7 +158,7 @@ def probes_equal_to_eager(rank, world_size, lengths):
         reference = copy.deepcopy(model)
         ids = torch.randint(0, 32, (2, seq), generator=torch.Generator().manual_seed(1))
         weights = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(2))
-        torch._dynamo.reset()
+        torch.compiler.reset()
         got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(ids)
         (got * weights).sum().backward()
         want = reference(ids)
@@ -207,7 +207,7 @@ def group_and_mesh_options(rank, world_size):
     for options in ({"group": halves[rank // 2]}, {"mesh": mesh}):
         model, args, kwargs = nanogpt.make(seq_len=32)
         reference = copy.deepcopy(model)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         logits, loss = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager", **options})(
             *args, **kwargs
         )

@@ -91,7 +91,7 @@ def repeated_runs_identical(rank, world_size):
     compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})
     first = _step_results(compiled, model, ids, labels)
     runs = [_step_results(compiled, model, ids, labels) for _ in range(2)]
-    torch._dynamo.reset()
+    torch.compiler.reset()
     again = tiny_llama(layers=1)
     runs.append(_step_results(torch.compile(again, backend="ulysses", options={"compiler": "aot_eager"}), again,
                               ids, labels))

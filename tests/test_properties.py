@@ -213,7 +213,7 @@ def check_random_configs(world_size: int, pool_size: int, max_examples: int) -> 
         if pool_size > 1:
             run_ranks(equal_to_eager, pool_size, config)
         else:
-            torch._dynamo.reset()
+            torch.compiler.reset()
             equal_to_eager(0, 1, config)
         outcomes["DivisibilityError" if world_size > config["heads"] else "equal to eager"] += 1
 

@@ -51,7 +51,7 @@ def test_data_parallel_mesh_averages_every_trainable_parameter(fake_group):
 
 def _equal_to_eager(rank, model, args, kwargs, name):
     reference = copy.deepcopy(model)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     got = outputs_of(torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs))
     got["loss"].backward()
     want = outputs_of(reference(*args, **kwargs))
@@ -131,13 +131,13 @@ def ranks_fed_different_values(rank, world_size):
     with pytest.raises(RankMismatchError, match=rf"rank {rank}: the sequence-parallel ranks passed different "
                                                 r"values in input_ids, labels to compiled graph .*its first call"):
         compiled(input_ids=own[0], labels=own[1], use_cache=False)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(tiny_llama(layers=1), backend="ulysses", options={"compiler": "aot_eager"})
     for ids, labels in (shared, shared, (shared[0], own[1])):  # labels differ in the third call
         compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     with pytest.raises(RankMismatchError, match=r"different values in labels to .*call 3, which has run"):
         compiled(input_ids=shared[0], labels=shared[1], use_cache=False)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     unchecked = torch.compile(tiny_llama(layers=1), backend="ulysses",
                               options={"compiler": "aot_eager", "check_inputs": False})
     unchecked(input_ids=own[0], labels=own[1], use_cache=False)

@@ -94,7 +94,7 @@ def test_tiny_graph_before_and_after(fake_group):
     model = TinyAttention()
     x = torch.randn(2, 8, 16)
     torch.compile(model, backend=capture_before)(x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     (after,) = rewritten_graphs(model, (x,))
     assert_expected_inline(before[0], """\
 def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):

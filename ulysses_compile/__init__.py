@@ -2,7 +2,6 @@
 parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
 
 from .backend import ulysses
-from .compat import register_torch_log
 from .data import SequenceParallelLoader
 from .errors import (
     CollectiveError,
@@ -18,8 +17,6 @@ from .explain import explain
 from .options import Options
 from .report import Report
 from .zero import full_state_dict, parallelize, save_pretrained
-
-register_torch_log("ulysses_compile")
 
 __all__ = [
     "CollectiveError",

@@ -35,6 +35,12 @@ __all__ = [
     "register_fake_backend",
     "make_boxed_func",
     "op_name",
+    "parameter_slots",
+    "recompute_region",
+    "symbol_hints",
+    "symbolic_expr",
+    "symbolic_hint",
+    "tag_recompute",
     "min_cut_rematerialization_partition",
     "run_and_get_code",
     "statically_known_true",
@@ -45,14 +51,6 @@ __all__ = [
 import torch  # noqa: E402
 
 c10d_functional = torch.ops._c10d_functional
-
-
-def register_torch_log(name: str) -> None:
-    """Make ``TORCH_LOGS="+ulysses_compile"`` control the ``ulysses_compile`` logger."""
-    from torch._logging._internal import log_registry, register_log
-
-    if name not in log_registry.log_alias_to_log_qnames:
-        register_log(name, name)
 
 
 def process_group_timeout(group) -> str:
@@ -86,3 +84,36 @@ def register_fake_backend() -> None:
                                                  backend_options)
 
     dist.Backend.register_backend(dist.Backend.FAKE, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def symbolic_expr(size: torch.SymInt):
+    """The sympy expression of a symbolic size (``s27 // 2``)."""
+    return size.node.expr
+
+
+def symbolic_hint(size: torch.SymInt) -> int:
+    """The value a symbolic size has in the call being compiled."""
+    return size.node.hint
+
+
+def symbol_hints(size: torch.SymInt, symbols) -> dict:
+    """The values of size symbols in the call being compiled, from ``size``'s shape environment."""
+    return {symbol: size.node.shape_env.backed_var_to_val[symbol] for symbol in symbols}
+
+
+def tag_recompute(node, policy, region: int) -> None:
+    """Tag a joint-graph node as the partitioner reads activation checkpointing: recompute it in the
+    backward (``policy``, a ``torch.utils.checkpoint.CheckpointPolicy``) as part of checkpointed region
+    ``region``."""
+    node.meta.update(recompute=policy, ac_graph_id=region)
+
+
+def recompute_region(node) -> int | None:
+    """The checkpointed region a node was tagged with, None when it has none."""
+    return node.meta.get("ac_graph_id")
+
+
+def parameter_slots(module: torch.nn.Module) -> dict:
+    """A module's own parameter dict, name -> parameter, written in place (registering a tensor that
+    ``nn.Module.__setattr__`` would refuse, such as a DTensor in place of a Parameter)."""
+    return module._parameters

@@ -22,7 +22,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .compat import GraphAppendingTracer, PythonReferenceAnalysis, statically_known_true, sympy_interp
+from .compat import (
+    GraphAppendingTracer,
+    PythonReferenceAnalysis,
+    statically_known_true,
+    symbol_hints,
+    symbolic_expr,
+    symbolic_hint,
+    sympy_interp,
+)
 
 
 def is_symbolic(value) -> bool:
@@ -31,8 +39,8 @@ def is_symbolic(value) -> bool:
 
 def as_int(value):
     """A SymInt that is a constant (``(2*s27)//s27`` is 2) as an int; anything else unchanged."""
-    if is_symbolic(value) and value.node.expr.is_number:
-        return int(value.node.expr)
+    if is_symbolic(value) and symbolic_expr(value).is_number:
+        return int(symbolic_expr(value))
     return value
 
 
@@ -49,10 +57,9 @@ def agree(a, b, lengths: int = 16) -> bool:
     every rank's block, which is the length."""
     if not (is_symbolic(a) or is_symbolic(b)):
         return a == b
-    exprs = [x.node.expr if is_symbolic(x) else x for x in (a, b)]
-    node = (a if is_symbolic(a) else b).node
+    exprs = [symbolic_expr(x) if is_symbolic(x) else x for x in (a, b)]
     symbols = set().union(*(getattr(e, "free_symbols", set()) for e in exprs))
-    hints = {symbol: node.shape_env.backed_var_to_val[symbol] for symbol in symbols}
+    hints = symbol_hints(a if is_symbolic(a) else b, symbols)
     for shift in range(lengths):
         values = {symbol: hint + shift for symbol, hint in hints.items()}
         first, second = (e.subs(values) if hasattr(e, "subs") else e for e in exprs)
@@ -73,7 +80,7 @@ def pin_length_class(length, world_size: int) -> None:
     same on every rank, decide when all ranks recompile together."""
     if not is_symbolic(length):
         return
-    hint = length.node.hint
+    hint = symbolic_hint(length)
     if hint < 2 * world_size:
         int(length)  # specializes: a guard on this exact length
         return
@@ -87,7 +94,7 @@ def size_arg(graph: fx.Graph, value, before: fx.Node):
         return type(value)(size_arg(graph, item, before) for item in value)
     if not is_symbolic(value):
         return value
-    expr = value.node.expr
+    expr = symbolic_expr(value)
     if expr.is_number:
         return int(expr)
     tracer = GraphAppendingTracer(graph)
@@ -102,12 +109,12 @@ def _symbol_node(graph: fx.Graph, symbol) -> fx.Node:
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     for node in placeholders:
         value = node.meta.get("example_value")
-        if is_symbolic(value) and value.node.expr == symbol:
+        if is_symbolic(value) and symbolic_expr(value) == symbol:
             return node
     for node in placeholders:
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
-                if is_symbolic(size) and size.node.expr == symbol:
+                if is_symbolic(size) and symbolic_expr(size) == symbol:
                     return graph.call_method("size", (node, dim))
     raise KeyError(f"no graph input carries the size {symbol}")

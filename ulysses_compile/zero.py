@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
+from .compat import parameter_slots
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 from .sharding import SHARDS, shard_rows
@@ -65,7 +66,7 @@ class _Gather:
     def __call__(self, module: nn.Module) -> torch.Tensor:
         local = module.__dict__[SHARDS].get(self.name)
         if local is None:
-            return module._parameters[self.name]  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
+            return parameter_slots(module)[self.name]  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
         return gather_parameter(local, self.shape, self.group_name, self.group_size, self.regather_in_backward,
                                 self.param_dtype, self.reduce_dtype)
 
@@ -150,7 +151,7 @@ class _LocalShards:
         self.owner = owner
         local: dict[int, torch.Tensor] = {}
         for module, name in self.places:
-            param = module._parameters[name]
+            param = parameter_slots(module)[name]
             if id(param) not in local:
                 local[id(param)] = self._padded(param)
             module.__dict__[SHARDS][name] = local[id(param)]
@@ -203,13 +204,13 @@ def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward:
                 f"its own, so remove them first (e.g. torch.nn.utils.parametrize.remove_parametrizations)"
             )
         gathers = {}
-        for name, param in module._parameters.items():  # each name, also of a parameter held twice
+        for name, param in parameter_slots(module).items():  # each name, also of a parameter held twice
             if param is None:
                 continue
             if id(param) not in sharded:  # a tied parameter (embedding and lm_head) keeps one DTensor
                 sharded[id(param)] = _as_dtensor(param, mesh)
                 _RETIRED[param] = True
-            module._parameters[name] = sharded[id(param)]
+            parameter_slots(module)[name] = sharded[id(param)]
             gathers[name] = _Gather(name, param.shape, group, regather_in_backward, param_dtype, reduce_dtype)
         if gathers:
             _read_through(module, gathers)
@@ -220,7 +221,7 @@ def _partition(model: nn.Module, group: dist.ProcessGroup, regather_in_backward:
 
 def _read_through(module: nn.Module, gathers: dict[str, _Gather]) -> None:
     """Give ``module`` a class whose properties return the gathered parameters, leaving the DTensors in
-    ``module._parameters`` under their names (torch.nn.utils.parametrize would rename them
+    the module's parameter slots under their names (torch.nn.utils.parametrize would rename them
     ``parametrizations.<name>.original``). The class is shared by every module of one class and
     parameter names: a class of its own per module would fail Dynamo's type guards on each model
     parallelized in a process, and after torch's recompile limit (8) its calls would run eagerly."""
