@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.collectives import average_grad, gather_parameter, insert_call
-from ulysses_compile.sharding import PLACEMENT_KEY, REPLICATE, NodeSharding
+from ulysses_compile.sharding import REPLICATE, NodeSharding, place
 
 
 def average_data_parallel_grads(gm: fx.GraphModule, ctx) -> None:
@@ -34,6 +34,6 @@ def average_data_parallel_grads(gm: fx.GraphModule, ctx) -> None:
         if node not in ctx.parameters or not isinstance(value, torch.Tensor) or not value.requires_grad \
                 or not node.users or all(user.target is gather_parameter for user in node.users):
             continue  # a ZeRO shard's gradient is reduced over every rank by its gather's backward
-        averaged = insert_call(gm.graph, average_grad, (node, group_name, group_size), after=node)
-        averaged.meta[PLACEMENT_KEY] = NodeSharding(REPLICATE, value)
+        averaged = place(insert_call(gm.graph, average_grad, (node, group_name, group_size), after=node),
+                         NodeSharding(REPLICATE, value))
         node.replace_all_uses_with(averaged, delete_user_cb=lambda user: user is not averaged)

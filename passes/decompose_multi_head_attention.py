@@ -41,16 +41,19 @@ from ulysses_compile.report import module_path
 MHA_PARAMS = list(inspect.signature(F.multi_head_attention_forward).parameters)
 
 
-def decompose_multi_head_attention(gm: fx.GraphModule, ctx) -> None:
+def decompose_multi_head_attention(gm: fx.GraphModule, ctx) -> list[str]:
+    """Inline every supported call; returns why each other one is not attention ranks can split."""
+    rejected = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
             continue
         args = {**F_DEFAULTS, **dict(zip(MHA_PARAMS, node.args)), **node.kwargs}
         reason = _unsupported(node, args)
         if reason:
-            ctx.report.rejected_attention.append(f"{module_path(node) or node.name} (nn.MultiheadAttention): {reason}")
+            rejected.append(f"{module_path(node) or node.name} (nn.MultiheadAttention): {reason}")
             continue
         _inline(gm, node, args)
+    return rejected
 
 
 F_DEFAULTS = {

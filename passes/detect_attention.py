@@ -7,10 +7,10 @@ Before (a Dynamo graph)::
     out = probs @ v
 
 After: the hand-written result passes through ``attention_output(out)`` (an identity that marks where
-the head-parallel region ends); otherwise the graph is unchanged. ``ctx.sites`` holds one
+the head-parallel region ends); otherwise the graph is unchanged. It returns a :class:`Detection`: one
 :class:`AttentionSite` per call, with its module path, heads, KV heads, head dim, sequence lengths and
-mask, and ``ctx.seq_lengths`` the sequence lengths that propagation may shard. A site with fewer heads
-than ranks raises here, before any rewrite. A symbolic sequence length is guarded to its class
+mask, and why each softmax or SDPA that is not a site is not. A site with fewer heads than ranks raises
+here, before any rewrite. A symbolic sequence length is guarded to its class
 (``sizes.pin_length_class``), the same on every rank.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
@@ -18,10 +18,11 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import logging
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -41,7 +42,27 @@ SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.s
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-@dataclass
+class Slot(NamedTuple):
+    """Where a value enters a site: an argument (index or keyword) of one of the site's own nodes. Passes
+    replace the arguments of those nodes, never the nodes, so a slot always holds what enters now."""
+
+    consumer: fx.Node
+    argument: int | str
+
+    def read(self):
+        return self.consumer.args[self.argument] if isinstance(self.argument, int) \
+            else self.consumer.kwargs[self.argument]
+
+    def write(self, value) -> None:
+        if isinstance(self.argument, int):
+            args = list(self.consumer.args)
+            args[self.argument] = value
+            self.consumer.args = tuple(args)
+        else:
+            self.consumer.kwargs = {**self.consumer.kwargs, self.argument: value}
+
+
+@dataclass(frozen=True)
 class AttentionSite:
     node: fx.Node
     form: str
@@ -65,23 +86,21 @@ class AttentionSite:
     kv_repeat: int = 1
     scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node`` is probs @ v)
     side_inputs: tuple = ()  # what else the scores are combined with (masks, biases): kept whole
-    # Where q, k, v (and an SDPA mask) enter the site: role -> (node, argument index or keyword).
-    consumers: dict = field(default_factory=dict)
+    # Where q, k, v (and an SDPA mask or flash-attn's ALiBi slopes) enter the site: role -> Slot.
+    slots: dict[str, Slot] = field(default_factory=dict)
     output_marker: fx.Node | None = None  # hand-written attention: its ``attention_output`` marker
     # Hand-written attention's nodes that run on this rank's heads: node -> (its head dim, the head dim
     # of inputs whose layout differs from its own).
     region: dict = field(default_factory=dict)
 
+    decision: str = ""  # what the rewrite does at this world size
+
     def entering(self, role: str) -> fx.Node:
         """The value that enters the site as ``role`` ("query", "key", "value", "attn_mask", ...)."""
-        consumer, slot = self.consumers[role]
-        return consumer.args[slot] if isinstance(slot, int) else consumer.kwargs[slot]
+        return self.slots[role].read()
 
     def mask_inputs(self) -> tuple:
         return self.side_inputs + ((self.mask,) if isinstance(self.mask, fx.Node) else ())
-
-
-    decision: str = ""  # what the rewrite does at this world size (set by detect_attention)
 
     def kv_by_all_to_all(self, world_size: int) -> bool:
         """Whether KV heads split over the ranks exactly like the query heads that use them (else each
@@ -136,7 +155,14 @@ def _value(node) -> torch.Tensor:
     return node.meta["example_value"]
 
 
-def detect_attention(gm: fx.GraphModule, ctx) -> None:
+@dataclass(frozen=True)
+class Detection:
+    sites: list[AttentionSite]
+    rejected: list[str]  # "module: why this softmax or SDPA is not parallelized"
+
+
+def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
+    sites, rejected = [], []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = _sdpa_site(node)
@@ -145,22 +171,21 @@ def detect_attention(gm: fx.GraphModule, ctx) -> None:
         elif _is(node, SOFTMAX):
             site = _handwritten_site(node)
             if isinstance(site, AttentionSite):
-                site.output_marker = _mark_output(gm.graph, site)
+                site = replace(site, output_marker=_mark_output(gm.graph, site))
         else:
             continue
         if not isinstance(site, AttentionSite):
             if site is not None:
-                ctx.report.rejected_attention.append(f"{module_path(node) or node.name}: {site}")
+                rejected.append(f"{module_path(node) or node.name}: {site}")
                 log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
         _check_heads(site, ctx.world_size)
         pin_length_class(site.seq_len, ctx.world_size)
         pin_length_class(site.kv_seq_len, ctx.world_size)
-        site.decision = _decide(site, ctx.world_size)
+        site = replace(site, decision=_decide(site, ctx.world_size))
         log.debug("ulysses_compile: attention %s", site.summary())
-        ctx.sites.append(site)
-        ctx.seq_lengths += [site.seq_len, site.kv_seq_len]
-    ctx.report.attention_sites = list(ctx.sites)
+        sites.append(site)
+    return Detection(sites, rejected)
 
 
 SOFTMAX = (F.softmax, torch.softmax, "softmax")
@@ -237,7 +262,7 @@ class _Operands:
 
     first: fx.Node
     second: fx.Node
-    slots: dict  # "first"/"second" -> (consumer node, argument index)
+    slots: dict[str, Slot]  # "first", "second"
     axes: dict  # "first"/"second"/"out" -> (head axis, sequence axis)
     form: str
 
@@ -274,12 +299,12 @@ def _matmul_operands(node, role: str) -> "_Operands | str":
     ``[.., heads, seq, dim]`` (with bmm, ``[batch * heads, seq, dim]``)."""
     first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
     first, second = node.args[first_at], node.args[first_at + 1]
-    slots = {"first": (node, first_at), "second": (node, first_at + 1)}
+    slots = {"first": Slot(node, first_at), "second": Slot(node, first_at + 1)}
     if role == "scores":
         key = _transposed_last_dims(second)
         if key is None:
             return "the second operand of q @ k^T is not k transposed in its last two dims"
-        slots["second"] = (second, 0)
+        slots["second"] = Slot(second, 0)
         second = key
     ndim = _value(first).dim() if isinstance(first, fx.Node) else 0
     if ndim < 3 or not isinstance(second, fx.Node) or _value(second).dim() != ndim:
@@ -321,12 +346,12 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     probs = values.first
     if scores.form == "baddbmm":
         side_inputs.append(scores_node.args[0])
-    region = {scores.slots["second"][0]: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
+    region = {scores.slots["second"].consumer: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
               values_node: (head_axis, {probs: values.axes["first"][0]})}
-    consumers = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
+    slots = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
     form = f"{scores.form}_softmax" + ("" if values.form == scores.form else f"_{values.form}")
     return _site(values_node, form, module_path(softmax), query, key, value, mask=None,
-                 is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs), consumers=consumers,
+                 is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs), slots=slots,
                  region=region, head_axis=head_axis, seq_axis=seq_axis)
 
 
@@ -336,26 +361,26 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
     if q.dim() < 3:
         return (f"scaled_dot_product_attention on a query of shape {list(q.shape)} has no head dim to split "
                 f"over the ranks (expected [..., heads, sequence, head_dim]); it runs whole on every rank")
-    consumers = {}
+    slots = {}
     for name in ("query", "key", "value", "attn_mask"):
         if SDPA_PARAMS.index(name) < len(node.args):
-            consumers[name] = (node, SDPA_PARAMS.index(name))
+            slots[name] = Slot(node, SDPA_PARAMS.index(name))
         elif name in node.kwargs:
-            consumers[name] = (node, name)
+            slots[name] = Slot(node, name)
     return _site(node, "scaled_dot_product_attention", module_path(node), args["query"], args["key"],
-                 args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)), consumers=consumers)
+                 args["value"], mask=args.get("attn_mask"), is_causal=bool(args.get("is_causal", False)), slots=slots)
 
 
 def _flash_site(node: fx.Node) -> AttentionSite:
     """flash-attn on ``[B, S, H, D]``, or varlen on packed ``[total, H, D]``; KV may have fewer heads
     (flash-attn's own MQA/GQA)."""
-    consumers = {"query": (node, 0), "key": (node, 1), "value": (node, 2)}
+    slots = {"query": Slot(node, 0), "key": Slot(node, 1), "value": Slot(node, 2)}
     if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
-        consumers["alibi_slopes"] = (node, "alibi_slopes")
+        slots["alibi_slopes"] = Slot(node, "alibi_slopes")
     query, key, value = node.args[:3]
     packed = node.target is flash_attention_varlen
     return _site(node, "flash_attn_varlen" if packed else "flash_attn", module_path(node), query, key, value,
-                 mask=node.kwargs.get("alibi_slopes"), is_causal=node.kwargs["causal"], consumers=consumers,
+                 mask=node.kwargs.get("alibi_slopes"), is_causal=node.kwargs["causal"], slots=slots,
                  head_axis=1 if packed else 2, seq_axis=0 if packed else 1,
                  side_inputs=tuple(node.args[3:5]) if packed else ())
 
@@ -397,8 +422,8 @@ def _with_kv_repeat(site: AttentionSite) -> AttentionSite:
     key_source, key_repeat = unrepeated_heads(site.key, site.head_axis)
     value_source, value_repeat = unrepeated_heads(site.value, site.head_axis)
     if key_repeat == value_repeat > 1:
-        site.key_source, site.value_source, site.kv_repeat = key_source, value_source, key_repeat
-        site.kv_heads //= key_repeat
+        return replace(site, key_source=key_source, value_source=value_source, kv_repeat=key_repeat,
+                       kv_heads=site.kv_heads // key_repeat)
     return site
 
 

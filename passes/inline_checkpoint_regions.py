@@ -47,18 +47,20 @@ from ulysses_compile.report import module_path
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 
 
-def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> None:
+def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> list[str]:
+    """Inline every region; returns notes for the user (selective checkpointing recomputed whole)."""
+    notes = []
     region_ids = itertools.count(1)
     for node in list(gm.graph.find_nodes(op="call_function", target=CHECKPOINT)):
         body = getattr(gm, node.args[0].target)
         if body.meta.get("_checkpoint_context_fn") is not None:
             paths = [module_path(inner) for inner in body.graph.nodes if module_path(inner)]
             where = min(paths, key=len, default=node.name)  # the checkpointed module: the outermost
-            ctx.report.notes.append(
-                f"{where}: selective checkpointing (context_fn) is recomputed whole under sequence parallelism"
-            )
+            notes.append(f"{where}: selective checkpointing (context_fn) is recomputed whole under sequence "
+                         f"parallelism")
         _inline(gm, node, body, next(region_ids), ctx.parameters)
     gm.delete_all_unused_submodules()
+    return notes
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int, parameters: set) -> None:

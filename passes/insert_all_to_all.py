@@ -33,22 +33,21 @@ import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads
 from ulysses_compile.runtime import repeat_heads
-from ulysses_compile.sharding import PLACEMENT_KEY, NodeSharding, Shard, block_range, sharding_of
+from ulysses_compile.sharding import NodeSharding, Shard, block_range, place, sharding_of
 
 
-def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
+def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
     graph = gm.graph
-    for site in ctx.sites:
-        consumer, slot = site.consumers["query"]
-        query = site.entering("query")
-        _set_arg(consumer, slot, _mark(insert_call(
+    for site in sites:
+        slot = site.slots["query"]
+        query = slot.read()
+        slot.write(_mark(insert_call(
             graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
-                                  ctx.group_name), before=consumer), Shard(site.head_axis), query))
+                                  ctx.group_name), before=slot.consumer), Shard(site.head_axis), query))
         replaced: list[tuple[fx.Node, fx.Node]] = []
         for role, source in (("key", site.key_source), ("value", site.value_source)):
-            consumer, slot = site.consumers[role]
-            kv = site.entering(role)
-            _set_arg(consumer, slot, _kv_for_rank_heads(graph, consumer, kv, source, site, ctx, replaced))
+            slot = site.slots[role]
+            slot.write(_kv_for_rank_heads(graph, slot.consumer, slot.read(), source, site, ctx, replaced))
         if site.scores is None:
             _narrow_mask_heads(graph, site, ctx)
         output = site.node
@@ -63,15 +62,6 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> None:
             _mark(output, Shard(site.head_axis), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
-
-
-def _set_arg(node: fx.Node, slot: int | str, new) -> None:
-    if isinstance(slot, int):
-        args = list(node.args)
-        args[slot] = new
-        node.args = tuple(args)
-    else:
-        node.kwargs = {**node.kwargs, slot: new}
 
 
 def _sharded_on(node: fx.Node | None, dim: int) -> bool:
@@ -91,8 +81,7 @@ def _kv_for_rank_heads(graph, before, kv, source, site, ctx, replaced) -> fx.Nod
         kv_index = tuple(head // group for head in range(first, first + count))
         local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, kv_index,
                                                      ctx.rank, ctx.world_size, ctx.group_name), before=before)
-        local.meta[PLACEMENT_KEY] = NodeSharding(None, None)  # KV heads picked per query head: no placement
-        return local
+        return place(local, NodeSharding(None, None))  # KV heads picked per query head: no placement
     local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
                                                     ctx.world_size, ctx.group_name), before=before),
                   Shard(site.head_axis), sent)
@@ -114,8 +103,7 @@ def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:
 
 def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
     """The new node holds ``like``'s global value in ``placement``."""
-    node.meta[PLACEMENT_KEY] = NodeSharding(placement, sharding_of(like).global_value)
-    return node
+    return place(node, NodeSharding(placement, sharding_of(like).global_value))
 
 
 # Per-head inputs besides q, k, v, and where their heads dim is counted from the end: SDPA masks
@@ -125,13 +113,13 @@ PER_HEAD_INPUTS = {"attn_mask": 3, "alibi_slopes": 1}
 
 def _narrow_mask_heads(graph, site, ctx) -> None:
     for role, from_end in PER_HEAD_INPUTS.items():
-        if role in site.consumers:
+        if role in site.slots:
             _narrow_heads(graph, site, ctx, role, from_end)
 
 
 def _narrow_heads(graph, site, ctx, role: str, from_end: int) -> None:
-    consumer, slot = site.consumers[role]
-    mask = site.entering(role)
+    slot = site.slots[role]
+    mask = slot.read()
     if not isinstance(mask, fx.Node):
         return
     value = sharding_of(mask).global_value
@@ -141,5 +129,4 @@ def _narrow_heads(graph, site, ctx, role: str, from_end: int) -> None:
     first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
     with graph.inserting_before(site.node):
         narrowed = graph.call_method("narrow", (mask, head_dim, first, count))
-    narrowed.meta["ulysses_inserted"] = "mask_heads"
-    _set_arg(consumer, slot, _mark(narrowed, Shard(head_dim), mask))
+    slot.write(_mark(narrowed, Shard(head_dim), mask))

@@ -6,7 +6,7 @@ Before::
     q = linear(emb, wq).view(B, S, H, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-After: the same graph, each node annotated with ``node.meta["ulysses_sharding"]``::
+After: the same graph, each node placed (``sharding.place``; shown here as a comment)::
 
     emb   S(1)   inputs {input_ids: S(1), wte: R}  # input_ids arrives sliced to this rank's tokens
     q     S(2)                                      # view: local shape (B, S/P, H, D) at rewrite
@@ -31,48 +31,55 @@ from ulysses_compile.errors import UnsupportedError
 from ulysses_compile.report import Fallback
 from ulysses_compile.sizes import same_size
 from ulysses_compile.sharding import (
-    PLACEMENT_KEY,
     REPLICATE,
     NodeSharding,
-    Partial,
     Shard,
+    completed,
     describe,
     is_rank_local,
     is_sharded,
+    place,
+    sharding_of,
 )
 
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
 from .sequence_dims import sequence_dims
 
 
-def propagate_sharding(gm: fx.GraphModule, ctx) -> None:
-    feeds_attention = _ancestors(n for site in ctx.sites for n in (site.query, site.key, site.value))
-    feeds_attention -= _ancestors(mask for site in ctx.sites for mask in site.mask_inputs())
-    site_nodes = {site.node for site in ctx.sites if site.scores is None}
-    head_parallel = _head_parallel_nodes(ctx)
-    seq_dims = sequence_dims(ctx.sites, ctx.parameters)
+def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
+    """Place every node; returns the nodes computed on gathered inputs."""
+    feeds_attention = _ancestors(n for site in sites for n in (site.query, site.key, site.value))
+    feeds_attention -= _ancestors(mask for site in sites for mask in site.mask_inputs())
+    site_nodes = {site.node for site in sites if site.scores is None}
+    head_parallel = _head_parallel_nodes(sites)
+    seq_dims = sequence_dims(sites, ctx.parameters)
+    seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
     view = RuleView(_output_placement, ctx.world_size)
+    fallbacks: list[Fallback] = []
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if node.op in ("placeholder", "get_attr"):
-            node.meta[PLACEMENT_KEY] = NodeSharding(_replicated_like(value), value)
+            place(node, NodeSharding(_replicated_like(value), value))
         elif node.op == "output":
             continue
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
                       for arg in view.tensor_args(node)}
-            node.meta[PLACEMENT_KEY] = NodeSharding(by_heads, value, inputs)
+            place(node, NodeSharding(by_heads, value, inputs))
         else:
-            node.meta[PLACEMENT_KEY] = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
-                                               seq_dims)
+            sharding, fallback = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
+                                         seq_dims, seq_lengths)
+            fallbacks += [fallback] if fallback is not None else []
+            place(node, sharding)
+    return fallbacks
 
 
-def _head_parallel_nodes(ctx) -> dict[fx.Node, tuple[Shard, dict]]:
+def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:
     """Hand-written attention: k^T, q @ k^T and probs @ v run on this rank's heads (the ops between
     follow). q, k and v enter them sequence-sharded; insert_all_to_all turns them to heads there."""
     nodes = {}
-    for site in ctx.sites:
+    for site in sites:
         entering = {site.entering(role): Shard(site.seq_axis) for role in ("query", "key", "value")}
         for node, (head_axis, operands) in site.region.items():
             nodes[node] = (Shard(head_axis), {**{arg: Shard(dim) for arg, dim in operands.items()}, **entering})
@@ -92,7 +99,7 @@ def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
 
 
 def _output_placement(node: fx.Node):
-    sharding = node.meta.get(PLACEMENT_KEY)
+    sharding = sharding_of(node)
     return sharding.output if sharding is not None else None
 
 
@@ -105,25 +112,28 @@ def _replicated_like(value):
 
 
 def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool,
-            seq_dims: dict) -> NodeSharding:
+            seq_dims: dict, seq_lengths: list) -> tuple[NodeSharding, Fallback | None]:
     rule = rule_for(node)
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
-    partial_inputs = {arg: REPLICATE for arg, p in zip(tensor_args, placements) if isinstance(p, Partial)}
-    if partial_inputs:
-        # Rules see reduced values: a partial sum is all-reduced before any op that is not a sum.
-        view = view.overridden(partial_inputs)
+    pending = {arg: completed(p) for arg, p in zip(tensor_args, placements)
+               if not isinstance(p, tuple) and completed(p) != p}
+    if pending:
+        # Rules see completed values: a partial sum is all-reduced, a partial scan finished, first.
+        view = view.overridden(pending)
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
-        seeded = _seed(node, value, view, ctx, rule, seq_dims) if on_attention_path and rule else None
-        return seeded or NodeSharding(_replicated_like(value), value)
+        seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) if on_attention_path and rule else None
+        return seeded or NodeSharding(_replicated_like(value), value), None
     decision = rule(node, view) if rule else None
+    fallback = None
     if decision is None:
         reason = "no sharding rule for this op" if rule is None else "its sharded inputs cannot stay sharded here"
-        sharding = _fallback(node, value, view, ctx, reason)
+        sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
+        fallback = _fallback_report(node, view, reason)
     else:
-        sharding = NodeSharding(decision.output, value, {**partial_inputs, **decision.inputs}, decision.localize)
+        sharding = NodeSharding(decision.output, value, {**pending, **decision.inputs}, decision.localize)
     _check_writes_in_place(node, sharding, view)
-    return sharding
+    return sharding, fallback
 
 
 def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView) -> None:
@@ -143,11 +153,11 @@ def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView
         )
 
 
-def _seed(node, value, view, ctx, rule, seq_dims) -> NodeSharding | None:
+def _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) -> NodeSharding | None:
     for arg in view.tensor_args(node):
         if arg in ctx.parameters:
             continue
-        dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), ctx.seq_lengths)
+        dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), seq_lengths)
         if dim is None:
             continue
         seeded_view = view.overridden({arg: Shard(dim)})
@@ -169,18 +179,15 @@ def _sequence_dim(value, seq_lengths) -> int | None:
     return dims[-1] if dims else None
 
 
-def _fallback(node, value, view, ctx, reason) -> NodeSharding:
+def _fallback_report(node, view, reason) -> Fallback:
     sharded_inputs = [arg.name for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
     source = (node.meta.get("stack_trace") or "").strip().splitlines()
-    ctx.report.fallbacks.append(
-        Fallback(
-            node=node.name,
-            op=str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target)),
-            reason=f"{reason}; gathered {', '.join(sharded_inputs)}",
-            source=" / ".join(line.strip() for line in source[-2:]),
-        )
+    return Fallback(
+        node=node.name,
+        op=str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target)),
+        reason=f"{reason}; gathered {', '.join(sharded_inputs)}",
+        source=" / ".join(line.strip() for line in source[-2:]),
     )
-    return NodeSharding(_replicated_like(value), value, replicate_all(view, node), fallback=reason)
 
 
 def _ancestors(nodes) -> set[fx.Node]:

@@ -50,7 +50,9 @@ def _calls(body: fx.GraphModule, name: str) -> list[fx.Node]:
     return [node for node in body.graph.nodes if op_name(node) == name]
 
 
-def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
+def recognize_flash_attention(gm: fx.GraphModule, ctx) -> list[str]:
+    """Rewrite every recognized call; returns why each other flash-attn call is not."""
+    rejected = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.higher_order.autograd_function_apply:
             continue
@@ -60,7 +62,8 @@ def recognize_flash_attention(gm: fx.GraphModule, ctx) -> None:
             continue
         reason = _rewrite(gm, node, forward_body, backward_body, forwards)
         if reason:
-            ctx.report.rejected_attention.append(f"{module_path(node) or node.name} (flash-attn): {reason}")
+            rejected.append(f"{module_path(node) or node.name} (flash-attn): {reason}")
+    return rejected
 
 
 def _rewrite(gm, node, forward_body, backward_body, forwards) -> str | None:

@@ -1,9 +1,10 @@
 """Make every input arrive in the placement its consumer asked for, and outputs in the user's.
 
-Before (placements from propagate_sharding)::
+Before (placements from propagate_sharding, local computations from localize_ops)::
 
     emb = F.embedding(input_ids, wte)        # wants input_ids S(1), has R
     logits = linear(h, w_out)                # h S(1), w_out R and requires grad
+    loss = loss_sum / count                  # wants both R, has P (partial sums)
     return (loss, logits)                    # logits S(1)
 
 After::
@@ -11,12 +12,17 @@ After::
     input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)      # a free local slice
     emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
     logits = linear(h, sync_grad(w_out, group))
+    loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
     return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
-shared by all such uses, so its gradient is summed over ranks inside the backward graph.
+shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
+where every collective that changes a placement is created (the all-to-alls around attention, whose
+layout only the site knows, are insert_all_to_all's; data-parallel averaging and ZeRO's gathers
+theirs).
 
-Pinned on a small model: ``tests/test_pass_goldens.py::test_redistribute``.
+Pinned on a small model: ``tests/test_pass_goldens.py::test_redistribute`` and
+``test_redistribute_reduces_partial_sums``.
 """
 
 from __future__ import annotations
@@ -26,17 +32,27 @@ import logging
 import torch
 import torch.fx as fx
 
-from ulysses_compile.collectives import gather_seq, insert_call, reduce_partial, scatter_seq, seq_to_heads, sync_grad
+from ulysses_compile.collectives import (
+    add_previous_ranks_totals,
+    gather_seq,
+    insert_call,
+    reduce_partial,
+    scatter_seq,
+    seq_to_heads,
+    sync_grad,
+)
 from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import (
-    PLACEMENT_KEY,
     REPLICATE,
     NodeSharding,
     Partial,
+    PartialScan,
     Replicate,
     Shard,
+    completed,
     is_rank_local,
     is_sharded,
+    place,
     seq_factors,
     sharding_of,
 )
@@ -65,6 +81,10 @@ class _Redistributor:
         if isinstance(have, Partial):
             node = self._insert(reduce_partial, (node, ctx.group_name), node, REPLICATE)
             have = REPLICATE
+        if isinstance(have, PartialScan):
+            node = self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size, ctx.group_name),
+                                node, Shard(have.dim))
+            have = Shard(have.dim)
         if have == want or _same_blocks(have, want):
             return node
         if self._all_to_all_ok(node, have, want):
@@ -80,7 +100,7 @@ class _Redistributor:
             have = REPLICATE
         if have == want:
             return node
-        if isinstance(want, Partial):
+        if isinstance(want, (Partial, PartialScan)):
             raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
         return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
                             node, want)
@@ -95,11 +115,9 @@ class _Redistributor:
         )
 
     def _insert(self, fn, args, after: fx.Node, placement) -> fx.Node:
-        new = insert_call(self.graph, fn, args, after=after)
         source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
-        new.meta[PLACEMENT_KEY] = NodeSharding(placement, source.global_value if source else None)
-        new.meta["ulysses_requires_grad"] = _requires_grad(args[0])
-        return new
+        return place(insert_call(self.graph, fn, args, after=after),
+                     NodeSharding(placement, source.global_value if source else None))
 
     def synced_for_local_use(self, node: fx.Node) -> fx.Node:
         if node not in self.synced:
@@ -119,21 +137,22 @@ def _same_blocks(have, want) -> bool:
 
 
 def _requires_grad(node: fx.Node) -> bool:
-    if "ulysses_requires_grad" in node.meta:
-        return node.meta["ulysses_requires_grad"]
-    value = node.meta.get("example_value")
+    sharding = sharding_of(node)
+    value = sharding.global_value if sharding is not None else node.meta.get("example_value")
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def redistribute(gm: fx.GraphModule, ctx) -> None:
+def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
+    """Insert the conversions; returns a line for each output gathered from sequence shards."""
     graph = gm.graph
     redistributor = _Redistributor(graph, ctx)
+    gathered: list[str] = []
     for node in list(graph.nodes):
         sharding = sharding_of(node)
         if node.op == "output":
-            _redistribute_outputs(node, redistributor, ctx)
+            gathered = _redistribute_outputs(node, redistributor, ctx)
             continue
-        if sharding is None or "ulysses_inserted" in node.meta:
+        if sharding is None:
             continue
         local_op = is_rank_local(sharding.output)
         for arg in dict.fromkeys(node.all_input_nodes):
@@ -146,23 +165,27 @@ def redistribute(gm: fx.GraphModule, ctx) -> None:
                 new = redistributor.synced_for_local_use(new)
             if new is not arg:
                 node.replace_input_with(arg, new)
+    return gathered
 
 
-def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -> None:
+def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -> list[str]:
+    gathered = []
+
     def convert(arg):
         sharding = sharding_of(arg)
         if sharding is None or sharding.output is None or isinstance(sharding.output, tuple):
             return arg
         have = sharding.output
-        if ctx.options.outputs == "local" and not isinstance(have, Partial):
-            return arg
-        if is_sharded(have):
+        if ctx.options.outputs == "local":
+            return redistributor.to(arg, have, completed(have))
+        if is_sharded(completed(have)):
             shape = list(sharding.global_value.shape)
-            ctx.report.gathered_outputs.append(
+            gathered.append(
                 f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered (the model's output, or a "
                 f"value crossing a graph break, which the next graph slices again)"
             )
-            log.info("ulysses_compile: %s", ctx.report.gathered_outputs[-1])
+            log.info("ulysses_compile: %s", gathered[-1])
         return redistributor.to(arg, have, REPLICATE)
 
     output.args = fx.node.map_arg(output.args, convert)
+    return gathered

@@ -19,7 +19,8 @@ from expecttest import assert_expected_inline
 
 from attention_forms import FORMS
 from graphs import rewritten_graphs
-from ulysses_compile.pipeline import PASSES
+import ulysses_compile.pipeline
+from ulysses_compile.compat import recompute_region
 
 DIM, HEADS, SEQ = 16, 2, 8
 
@@ -89,12 +90,16 @@ def _lines(code: str) -> list[str]:
 
 def _changes(report, graph_pass) -> str:
     """The lines ``graph_pass`` removed and added, in order, from the code before it to the code after."""
-    names = [p.__name__ for p in PASSES]
+    names = list(report.graphs)  # in the order the passes ran
     index = names.index(graph_pass)
-    before = next((report.graphs[name] for name in reversed(names[:index]) if name in report.graphs),
-                  report.captured)
+    before = report.graphs[names[index - 1]] if index else report.captured
     diff = difflib.unified_diff(_lines(before), _lines(report.graphs[graph_pass]), lineterm="", n=0)
     return "\n".join(line for line in diff if line[:1] in "+-" and line[:3] not in ("---", "+++"))
+
+
+def _is_collective(node) -> bool:
+    """A call the passes inserted from ulysses_compile.collectives (collectives, and the free slice)."""
+    return getattr(node.target, "__module__", None) == "ulysses_compile.collectives"
 
 
 def _annotated(gm, describe) -> str:
@@ -165,9 +170,9 @@ def test_propagate_sharding(fake_group):
 
     gm, _ = _report(fake_group, SDPAttention(), _features())
 
-    def placement(node):
+    def placement(node):  # of the captured nodes: later passes insert the collectives
         sharding = sharding_of(node)
-        return None if sharding is None or node.meta.get("ulysses_inserted") else describe(sharding.output)
+        return None if sharding is None or _is_collective(node) else describe(sharding.output)
 
     assert_expected_inline(_annotated(gm, placement), """\
 l_x_: R
@@ -198,6 +203,28 @@ def test_redistribute(fake_group):
 +    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
 +    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, dim = 1, outer = 1, inner = 1, length = 8, rank = 0, world_size = 2, group_name = '0')
 +    return (gather_seq,)""")
+
+
+def test_redistribute_reduces_partial_sums(fake_group):
+    labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    _, report = _report(fake_group, TokenLoss(), _features(), labels)
+    assert_expected_inline(_changes(report, "redistribute"), """\
+-    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
++    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
++    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
++    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
+-    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
++    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
+-    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, flatten_1, ignore_index = -100, reduction = 'sum')
+-    counted_tokens = ulysses_compile_runtime_counted_tokens(flatten_1, -100, None)
+-    cross_entropy = cross_entropy_1 / counted_tokens
++    scatter_seq_1 = ulysses_compile_collectives_scatter_seq(flatten_1, dim = 0, outer = 2, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
++    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy_1, group_name = '0')
++    counted_tokens = ulysses_compile_runtime_counted_tokens(scatter_seq_1, -100, None)
++    reduce_partial_1 = ulysses_compile_collectives_reduce_partial(counted_tokens, group_name = '0')
++    cross_entropy = reduce_partial / reduce_partial_1""")
 
 
 def test_average_data_parallel_grads(fake_group):
@@ -253,14 +280,10 @@ def test_localize_ops(fake_group):
 +    reshape = transpose.reshape((2, 4, 16))
 -    flatten = linear_1.flatten(0, 1)
 +    flatten = linear_1.reshape((8, 16))
--    cross_entropy = torch.nn.functional.cross_entropy(flatten, scatter_seq_1)
--    return (cross_entropy,)
-+    cross_entropy = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
-+    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy, group_name = '0')
-+    counted_tokens = ulysses_compile_runtime_counted_tokens(scatter_seq_1, -100, None)
-+    reduce_partial_1 = ulysses_compile_collectives_reduce_partial(counted_tokens, group_name = '0')
-+    truediv = reduce_partial / reduce_partial_1
-+    return (truediv,)""")
+-    cross_entropy = torch.nn.functional.cross_entropy(flatten, flatten_1)
++    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, flatten_1, ignore_index = -100, reduction = 'sum')
++    counted_tokens = ulysses_compile_runtime_counted_tokens(flatten_1, -100, None)
++    cross_entropy = cross_entropy_1 / counted_tokens""")
 
 
 def test_check_local_shapes_changes_nothing(fake_group):
@@ -276,19 +299,22 @@ def test_recompute_inserted_nodes(fake_group):
             return checkpoint(super().forward, x, use_reentrant=False)
 
     gm, _ = _report(fake_group, Checkpointed(), _features())
-    assert_expected_inline(_annotated(gm, lambda node: f"ac_graph_id={node.meta['ac_graph_id']}" if (
-        node.meta.get("ulysses_inserted") and "ac_graph_id" in node.meta) else None), """\
+    assert_expected_inline(_annotated(gm, lambda node: f"ac_graph_id={recompute_region(node)}" if (
+        _is_collective(node) and recompute_region(node) is not None) else None), """\
 seq_to_heads: ac_graph_id=1
 seq_to_heads_1: ac_graph_id=1
 seq_to_heads_2: ac_graph_id=1
 heads_to_seq: ac_graph_id=1""")
 
 
-@pytest.mark.parametrize("graph_pass", PASSES, ids=[p.__name__ for p in PASSES])
-def test_every_pass_points_at_its_golden(graph_pass):
+def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
-    doc = sys.modules[graph_pass.__module__].__doc__
-    assert f"test_pass_goldens.py::test_{graph_pass.__name__}" in doc or (
-        graph_pass.__name__ == "inline_checkpoint_regions" and "tests/test_checkpointing.py" in doc), (
-        f"{graph_pass.__module__}: its docstring does not name its golden")
+    _, report = _report(fake_group, SDPAttention(), _features())
+    assert len(report.graphs) == 13, list(report.graphs)  # every pass of a split graph ran
+    for name in report.graphs:
+        module = getattr(ulysses_compile.pipeline, name).__module__
+        doc = sys.modules[module].__doc__
+        assert f"test_pass_goldens.py::test_{name}" in doc or (
+            name == "inline_checkpoint_regions" and "tests/test_checkpointing.py" in doc), (
+            f"{module}: its docstring does not name its golden")

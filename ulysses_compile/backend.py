@@ -21,6 +21,7 @@ from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
 from .pipeline import run_pipeline
+from .report import GraphReport
 from .verify import verified
 
 log = logging.getLogger("ulysses_compile")
@@ -41,7 +42,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     _check_one_device(gm, example_inputs)
     original = copy.deepcopy(gm) if opts.verify else None
     expected = fingerprint(gm, example_inputs)
-    ctx = rewrite(gm, example_inputs, opts, group)
+    ctx, _ = rewrite(gm, example_inputs, opts, group)
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
     check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
@@ -57,21 +58,20 @@ def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str) -
     return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name)
 
 
-def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> PassContext:
-    """Run the passes on ``gm`` in place for this rank of ``group``; the context holds the report."""
+def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[PassContext, GraphReport]:
+    """Run the passes on ``gm`` in place for this rank of ``group``; the report is also kept in
+    ``gm.meta["ulysses_report"]``."""
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
         group_name=group.group_name,
         options=opts,
-        example_inputs=list(example_inputs),
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
         data_parallel=_data_parallel(opts),
     )
-    ctx.report.captured = gm.code
-    run_pipeline(gm, ctx)
-    gm.meta["ulysses_report"] = ctx.report
-    return ctx
+    report = run_pipeline(gm, ctx)
+    gm.meta["ulysses_report"] = report
+    return ctx, report
 
 
 def _check_one_device(gm: fx.GraphModule, example_inputs) -> None:

@@ -311,7 +311,6 @@ def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = No
     with anchor:
         node = graph.call_function(fn, args[:1])
     node.kwargs = dict(zip(names, size_arg(graph, args[1:], before=node)))
-    node.meta["ulysses_inserted"] = fn.__name__
     # AOTAutograd copies "custom" and the module stack onto the ops it traces from this node (explain).
     node.meta["custom"] = {"ulysses_collective": fn.__name__}
     if isinstance(args[0], fx.Node) and "nn_module_stack" in args[0].meta:

@@ -17,6 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "BackendCompilerFailed",
@@ -46,6 +47,8 @@ __all__ = [
     "statically_known_true",
     "sympy_interp",
     "trace_structured",
+    "tree_leaves",
+    "tree_map",
 ]
 
 import torch  # noqa: E402

@@ -1,32 +1,27 @@
-"""What every pass receives: the group, this rank, the options, and the report being written."""
+"""What every pass receives and none changes: the group, this rank, the options, the parameters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from .options import Options
 from .sharding import SHARDS
-from .report import GraphReport
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassContext:
     world_size: int
     rank: int
     group_name: str
     options: Options
-    example_inputs: list
-    report: GraphReport = field(default_factory=GraphReport)
-    sites: list = field(default_factory=list)  # AttentionSite, from passes/detect_attention.py
-    parameters: set[fx.Node] = field(default_factory=set)  # placeholders holding parameters/buffers
-    seq_lengths: list = field(default_factory=list)  # attention sequence lengths, propagation may shard
+    parameters: frozenset[fx.Node]  # placeholders holding parameters, buffers and ZeRO shards
     data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
 
     @staticmethod
-    def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
+    def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:
         """Parameters, buffers and ZeRO shards, told by Dynamo's name of their source, which is the same
         on every rank (whether a shard is an ``nn.Parameter`` view or a padded copy is not)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -36,4 +31,4 @@ class PassContext:
             if isinstance(value, torch.nn.Parameter) or any(
                     source in name for source in ("_parameters_", "_buffers_", f"_dict{SHARDS}_")):
                 found.add(node)
-        return found
+        return frozenset(found)

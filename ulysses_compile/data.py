@@ -20,9 +20,9 @@ import itertools
 from collections.abc import Mapping
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from .collectives import gather_objects
+from .compat import tree_leaves, tree_map
 from .errors import OptionsError, RankMismatchError
 from .options import Options
 

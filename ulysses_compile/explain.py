@@ -77,13 +77,13 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
 
 
 def _compile(gm, example_inputs, opts: Options, report: Report):
-    ctx = rewrite(gm, example_inputs, opts, dist.group.WORLD)
-    report.graphs.append(ctx.report)
-    report.attention_sites += [_site_report(site, ctx.world_size, ctx.rank) for site in ctx.sites]
-    report.rejected_attention += ctx.report.rejected_attention
-    report.fallbacks += ctx.report.fallbacks
-    if not ctx.report.replicated:
-        for site in ctx.sites:
+    ctx, graph_report = rewrite(gm, example_inputs, opts, dist.group.WORLD)
+    report.graphs.append(graph_report)
+    report.attention_sites += [_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites]
+    report.rejected_attention += graph_report.rejected_attention
+    report.fallbacks += graph_report.fallbacks
+    if not graph_report.replicated:
+        for site in graph_report.attention_sites:
             report.ulysses_minimum_bytes += _minimum_bytes(site, ctx.world_size, ctx.rank)
 
     def keep(phase):

@@ -1,7 +1,18 @@
 """The ordered passes that turn a captured graph into its Ulysses sequence-parallel version.
 
-Each pass is ``fn(gm, ctx) -> None`` in its own module under ``passes/``; the pipeline times each one,
-keeps the graph code after each in the report, and logs it (``TORCH_LOGS="+ulysses_compile"``).
+Each pass is a function ``fn(gm, ctx, ...)`` in its own module under ``passes/``: it rewrites the graph
+in place and returns what it found (attention sites, fallbacks, notes), which only this module writes
+into the graph's report. The phases::
+
+    open checkpointed regions, recognize attention forms     (every graph)
+    detect attention -> sites                                (decides: split, or run replicated)
+    propagate placements -> fallbacks                        (split graphs only)
+    localize ops, redistribute -> gathered outputs,
+    average data-parallel gradients, regather parameters,
+    all-to-alls around each site, check local shapes, recompute tags
+
+The pipeline times each pass, keeps the graph code after each in the report, and logs it
+(``TORCH_LOGS="+ulysses_compile"``).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from .context import PassContext
 from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
 from .passes.decompose_multi_head_attention import decompose_multi_head_attention
-from .passes.detect_attention import detect_attention
+from .passes.detect_attention import AttentionSite, detect_attention
 from .passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
@@ -28,53 +39,54 @@ from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .passes.regather_parameters import regather_parameters
-from .report import Collective
+from .report import Collective, GraphReport
 
 log = logging.getLogger("ulysses_compile")
 
-PASSES = (
-    inline_checkpoint_regions,
-    decompose_multi_head_attention,
-    recognize_flash_attention,
-    recognize_causal_mask,
-    detect_attention,
-    propagate_sharding,
-    redistribute,
-    average_data_parallel_grads,
-    regather_parameters,
-    insert_all_to_all,
-    localize_ops,
-    check_local_shapes,
-    recompute_inserted_nodes,
-)
 
-
-# What a graph that is not split still needs (its checkpointed regions opened, as the tags are this
-# backend's; a data-parallel mesh averages its gradients; ZeRO-3). Opening regions twice is harmless.
-REPLICATED_PASSES = (inline_checkpoint_regions, average_data_parallel_grads, regather_parameters)
-
-
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
+    report = GraphReport(captured=gm.code)
     if ctx.world_size == 1:
-        ctx.report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
-        _run_replicated(gm, ctx)
+        report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
     else:
-        for graph_pass in PASSES:
-            _run(graph_pass, gm, ctx)
-            if graph_pass is detect_attention and _runs_replicated(ctx):
-                _run_replicated(gm, ctx)
-                break
-    _record_collectives(gm, ctx)
-    for fallback in ctx.report.fallbacks:
+        report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
+        report.rejected_attention += _run(report, decompose_multi_head_attention, gm, ctx)
+        report.rejected_attention += _run(report, recognize_flash_attention, gm, ctx)
+        _run(report, recognize_causal_mask, gm, ctx)
+        detection = _run(report, detect_attention, gm, ctx)
+        report.attention_sites = detection.sites
+        report.rejected_attention += detection.rejected
+        report.replicated = _why_replicated(detection.sites, ctx.world_size)
+        if not report.replicated:
+            _split(gm, ctx, detection.sites, report)
+    if report.replicated:
+        # What a graph that is not split still needs: its checkpointed regions opened (the tags are this
+        # backend's), gradients averaged over a data-parallel mesh, ZeRO-3's re-gathers.
+        log.info("ulysses_compile: %s; it runs replicated on every rank", report.replicated)
+        report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
+        _run(report, average_data_parallel_grads, gm, ctx)
+        _run(report, regather_parameters, gm, ctx)
+    report.collectives = _collectives(gm)
+    for fallback in report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)
-    _dump(ctx)
-    return gm
+    _dump(report, ctx)
+    return report
 
 
-def _dump(ctx: PassContext) -> None:
+def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
+    report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
+    _run(report, localize_ops, gm, ctx)
+    report.gathered_outputs = _run(report, redistribute, gm, ctx)
+    _run(report, average_data_parallel_grads, gm, ctx)
+    _run(report, regather_parameters, gm, ctx)
+    _run(report, insert_all_to_all, gm, ctx, sites)
+    _run(report, check_local_shapes, gm, ctx)
+    _run(report, recompute_inserted_nodes, gm, ctx)
+
+
+def _dump(report: GraphReport, ctx: PassContext) -> None:
     """The graph's code before and after each pass and the report: as artifacts in torch's structured
     trace (``TORCH_TRACE=DIR``, read with tlparse), and as files under ``options["dump_dir"]``."""
-    report = ctx.report
     pieces = {"captured": report.captured, **report.graphs}
     for name, code in pieces.items():
         trace_structured("artifact", metadata_fn=lambda name=name: {"name": f"ulysses_compile_{name}",
@@ -95,40 +107,34 @@ def _dump(ctx: PassContext) -> None:
     log.info("ulysses_compile: graphs and report of compile %s written to %s", compile_id, folder)
 
 
-def _run_replicated(gm: fx.GraphModule, ctx: PassContext) -> None:
-    log.info("ulysses_compile: %s; it runs replicated on every rank", ctx.report.replicated)
-    for replicated_pass in REPLICATED_PASSES:
-        _run(replicated_pass, gm, ctx)
-
-
-def _run(graph_pass, gm: fx.GraphModule, ctx: PassContext) -> None:
+def _run(report: GraphReport, graph_pass, gm: fx.GraphModule, ctx: PassContext, *found):
     started = time.perf_counter()
-    graph_pass(gm, ctx)
-    ctx.report.pass_seconds[graph_pass.__name__] = time.perf_counter() - started
+    result = graph_pass(gm, ctx, *found)
+    report.pass_seconds[graph_pass.__name__] = time.perf_counter() - started
     gm.recompile()
-    ctx.report.graphs[graph_pass.__name__] = gm.code
+    report.graphs[graph_pass.__name__] = gm.code
     log.debug("ulysses_compile: graph after %s:\n%s", graph_pass.__name__, gm.code)
+    return result
 
 
-def _runs_replicated(ctx: PassContext) -> bool:
+def _why_replicated(sites: list[AttentionSite], world_size: int) -> str:
     """A graph without attention, or whose sequences are shorter than the ranks (blocks would be empty,
     and a compiler may drop the collectives of an empty block on some ranks only), is computed whole
     on every rank: exact, and at such lengths nothing is gained by splitting."""
-    if not ctx.sites:
-        ctx.report.replicated = "no attention in this graph"
+    if not sites:
+        return "no attention in this graph"
     # For a symbolic length this comparison becomes a guard: a shorter call compiles its own graph.
-    short = [length for site in ctx.sites for length in (site.seq_len, site.kv_seq_len) if length < ctx.world_size]
+    short = [length for site in sites for length in (site.seq_len, site.kv_seq_len) if length < world_size]
     if short:
-        ctx.report.replicated = (f"a sequence of {short[0]} positions is shorter than the {ctx.world_size} "
-                                 f"sequence-parallel ranks")
-    return bool(ctx.report.replicated)
+        return f"a sequence of {short[0]} positions is shorter than the {world_size} sequence-parallel ranks"
+    return ""
 
 
-def _record_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
+def _collectives(gm: fx.GraphModule) -> list[Collective]:
+    found = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in COLLECTIVES:
             meta = node.args[0].meta  # a replicated graph has Dynamo's example values only
             value = meta.get("val", meta.get("example_value"))
-            ctx.report.collectives.append(
-                Collective(node.target.__name__, node.name, tuple(value.shape), str(value.dtype))
-            )
+            found.append(Collective(node.target.__name__, node.name, tuple(value.shape), str(value.dtype)))
+    return found

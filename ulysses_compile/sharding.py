@@ -1,13 +1,23 @@
-"""Placements of graph values over the sequence-parallel ranks, kept in one typed ``node.meta`` key.
+"""Placements of graph values over the sequence-parallel ranks, kept in one typed ``node.meta`` entry.
 
 A value is ``Replicate()`` (every rank holds the whole global tensor), ``Shard(d)`` (rank r holds the
-r-th of P contiguous blocks of dim d: the sequence, or the heads inside attention), ``Partial()`` (the global value is
-the sum of the ranks' values) or ``MergedShard(d, outer, inner)``: dim d merges the sequence with
-other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is sharded, so a
-rank holds ``outer`` separate blocks. DTensor has no public placement for that last case.
+r-th of P balanced blocks of dim d: the sequence, or the heads inside attention), ``Partial()`` (the
+global value is the sum of the ranks' values), ``PartialScan(d)`` (a cumulative sum along a sharded d,
+each block short of the blocks before it) or ``MergedShard(d, outer, inner)``: dim d merges the
+sequence with other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is
+sharded, so a rank holds ``outer`` separate blocks.
 
-Every node of a rewritten graph carries ``node.meta[PLACEMENT_KEY]``: a :class:`NodeSharding` with the
-node's global shape, its output placement and the placement each tensor argument must arrive in.
+These are the passes' own types, not DTensor's. DTensor's ``Shard(d)`` means ``torch.chunk``'s blocks
+(6 on 4 ranks: 2, 2, 2, 0); ours are balanced (2, 2, 1, 1), so no rank idles and none holds an empty
+block. DTensor is for what users and torch see: ZeRO's parameters and gradients (``zero.py``, chunk
+blocks as FSDP2 lays them out). No placement of these passes reaches a user as a DTensor
+(``outputs="local"`` returns plain local blocks); a conversion, when one is needed, belongs in this
+module: where P divides the length both layouts are the same blocks, and where it does not a balanced
+block has no DTensor placement and must be gathered or re-sliced first.
+
+Every node of a rewritten graph carries a :class:`NodeSharding` (read with :func:`sharding_of`,
+written only with :func:`place`): the node's global value, its output placement and the placement
+each tensor argument must arrive in.
 """
 
 from __future__ import annotations
@@ -18,11 +28,45 @@ from typing import Any, Union
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .sizes import as_int
 
-PLACEMENT_KEY = "ulysses_sharding"
+_KEY = "ulysses_sharding"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """The global value is the sum of the ranks' values."""
+
+    def __repr__(self) -> str:
+        return "Partial()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank r holds the r-th balanced block of dim ``dim`` (``block_sizes``)."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class PartialScan:
+    """Rank r holds the r-th block of a cumulative sum along ``dim``, short of the totals of the blocks
+    before it: ``Shard(dim)`` once those are added."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"PartialScan(dim={self.dim})"
 
 
 @dataclass(frozen=True)
@@ -38,7 +82,7 @@ class MergedShard:
         return hash((self.dim, str(self.outer), str(self.inner)))
 
 
-Placement = Union[Replicate, Shard, Partial, MergedShard]
+Placement = Union[Replicate, Shard, Partial, PartialScan, MergedShard]
 # A node's output placement: one placement, None for a non-tensor value, or a tuple for tuple outputs.
 OutputPlacement = Union[Placement, None, tuple]
 
@@ -100,7 +144,17 @@ def is_rank_local(placement: OutputPlacement) -> bool:
     """True when ranks hold different values (sharded or partial), so gradients flowing back are too."""
     if isinstance(placement, tuple):
         return any(is_rank_local(p) for p in placement)
-    return is_sharded(placement) or isinstance(placement, Partial)
+    return is_sharded(placement) or isinstance(placement, (Partial, PartialScan))
+
+
+def completed(placement: Placement) -> Placement:
+    """The placement of a value once its pending sums are done: ``Replicate`` for ``Partial``,
+    ``Shard`` for ``PartialScan``."""
+    if isinstance(placement, Partial):
+        return REPLICATE
+    if isinstance(placement, PartialScan):
+        return Shard(placement.dim)
+    return placement
 
 
 def with_dim(placement: Placement, dim: int) -> Placement:
@@ -110,7 +164,7 @@ def with_dim(placement: Placement, dim: int) -> Placement:
 
 
 def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int, rank: int) -> tuple[int, ...]:
-    factors = seq_factors(placement)
+    factors = seq_factors(completed(placement))
     shape = tuple(shape)
     if factors is None:
         return shape
@@ -119,20 +173,26 @@ def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int
     return shape[:dim] + (outer * block * inner,) + shape[dim + 1 :]
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeSharding:
-    """What propagation decided for one node."""
+    """What was decided for one node."""
 
     output: OutputPlacement
     global_value: Any  # the node's global example value (a FakeTensor, a tuple of them, or a constant)
     inputs: dict[fx.Node, Placement] = field(default_factory=dict)
     # How to turn the node's global computation into the local one, applied by passes/localize_ops.py.
     localize: Callable[[fx.Node, Any], None] | None = None
-    fallback: str | None = None  # why the node was computed replicated instead of sharded
 
 
 def sharding_of(node: fx.Node) -> NodeSharding | None:
-    return node.meta.get(PLACEMENT_KEY)
+    return node.meta.get(_KEY)
+
+
+def place(node: fx.Node, sharding: NodeSharding) -> fx.Node:
+    """Record what was decided for ``node``: the one writer of placements. Propagation places the
+    captured graph's nodes; a pass that inserts a node places it as it creates it."""
+    node.meta[_KEY] = sharding
+    return node
 
 
 def describe(placement: OutputPlacement) -> str:
@@ -146,4 +206,7 @@ def describe(placement: OutputPlacement) -> str:
         return f"S({placement.dim}|{placement.outer}x.x{placement.inner})"
     if isinstance(placement, Partial):
         return "P"
+    if isinstance(placement, PartialScan):
+        return f"P+({placement.dim})"
     return "R"
+

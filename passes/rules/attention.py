@@ -8,10 +8,9 @@ A hand-written attention's head-parallel region is placed by propagate_sharding 
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Shard
 
 from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
-from ulysses_compile.sharding import REPLICATE
+from ulysses_compile.sharding import REPLICATE, Shard
 
 from ..detect_attention import SDPA_TARGETS, sdpa_arguments
 

@@ -1,9 +1,10 @@
 """Token-level losses: exact global means over all ranks' tokens.
 
 Logits sharded over tokens meet labels computed globally (shifted, padded) and sliced here to the same
-tokens, so shifts across shard boundaries are exact. ``reduction="mean"`` becomes
-``all_reduce(sum of local losses) / all_reduce(number of counted tokens)``, honouring ``ignore_index``
-and class weights, so shards holding different numbers of valid tokens still give the global mean.
+tokens, so shifts across shard boundaries are exact. ``reduction="mean"`` becomes ``sum of local
+losses / number of counted tokens``, both partial sums (all-reduced by redistribute), honouring
+``ignore_index`` and class weights, so shards holding different numbers of valid tokens still give the
+global mean.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import operator
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.collectives import insert_call, reduce_partial
 from ulysses_compile.runtime import counted_tokens
-from ulysses_compile.sharding import PARTIAL, REPLICATE, with_dim
+from ulysses_compile.sharding import PARTIAL, REPLICATE, NodeSharding, place, with_dim
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, register
@@ -25,26 +25,24 @@ PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
 
 
 def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> None:
+    """``loss(x, t)`` -> ``loss(x, t, reduction="sum") / count``: both terms Partial, the division on
+    their sums (redistribute reduces them)."""
     args = method_or_function_args(node, PARAMS, {"ignore_index": -100})
-    node.args = (args["input"], args["target"])
-    node.kwargs = {name: args[name] for name in ("weight", "ignore_index", "label_smoothing") if name in args}
-    node.kwargs = {**node.kwargs, "reduction": "sum"}
-    graph, anchor = node.graph, node.next
-    total = insert_call(graph, reduce_partial, (node, ctx.group_name), before=anchor)
-    inserted = [total]
+    graph = node.graph
+    options = {name: args[name] for name in ("weight", "ignore_index", "label_smoothing") if name in args}
+    with graph.inserting_before(node):
+        total = graph.call_function(node.target, (args["input"], args["target"]), {**options, "reduction": "sum"})
+    place(total, NodeSharding(PARTIAL, sharding.global_value, sharding.inputs))
     if denominator is None:
-        with graph.inserting_before(anchor):
+        with graph.inserting_before(node):
             count = graph.call_function(counted_tokens, (args["target"], args["ignore_index"], args.get("weight")))
-        count_total = insert_call(graph, reduce_partial, (count, ctx.group_name), before=anchor)
-        inserted += [count, count_total]
+        place(count, NodeSharding(PARTIAL, None, {arg: want for arg, want in sharding.inputs.items()
+                                                  if arg is not args["input"]}))
     else:
-        count_total = size_arg(graph, denominator, before=anchor)
-    with graph.inserting_before(anchor):
-        loss = graph.call_function(operator.truediv, (total, count_total))
-    inserted.append(loss)
-    for new in inserted:
-        new.meta["ulysses_inserted"] = "global_mean_loss"
-    node.replace_all_uses_with(loss, delete_user_cb=lambda user: user not in inserted)
+        count = size_arg(graph, denominator, before=node)
+    node.target, node.args, node.kwargs = operator.truediv, (total, count), {}
+    place(node, NodeSharding(REPLICATE, sharding.global_value,
+                             {arg: REPLICATE for arg in (total, count) if isinstance(arg, fx.Node)}))
 
 
 @register(F.cross_entropy, F.nll_loss)

@@ -2,8 +2,8 @@
 
 Over dims other than the sequence they stay local. A sum over the sequence becomes ``Partial`` (each
 rank sums its block); a mean over it becomes the rank's sum divided by the global count, also
-``Partial`` (blocks may differ in size). A cumsum along it adds the totals of the ranks
-before. Other reductions over the sequence (max, norms, cumprod) fall back.
+``Partial`` (blocks may differ in size). A cumsum along it is ``PartialScan``: redistribute adds
+the totals of the ranks before. Other reductions over the sequence (max, norms, cumprod) fall back.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.collectives import add_previous_ranks_totals, insert_call
-from ulysses_compile.sharding import PARTIAL, PLACEMENT_KEY, REPLICATE, with_dim
+from ulysses_compile.sharding import PARTIAL, REPLICATE, NodeSharding, PartialScan, place, sharding_of, with_dim
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, normalize_dim, register
@@ -38,14 +37,15 @@ def _keepdim(node, params) -> bool:
 def _mean_as_partial_sum(node: fx.Node, sharding, ctx) -> None:
     """``x.mean(dims)`` -> ``x.sum(dims) / count``, with the global count of the reduced elements."""
     source = node.args[0] if node.args else node.kwargs["input"]
-    global_value = source.meta[PLACEMENT_KEY].global_value
+    global_value = sharding_of(source).global_value
     count = math.prod(global_value.shape[d] for d in _reduced_dims(node, global_value, MEAN_PARAMS))
-    node.target = "sum" if node.op == "call_method" else torch.sum
-    anchor = node.next
-    count = size_arg(node.graph, count, before=anchor)
-    with node.graph.inserting_before(anchor):
-        scaled = node.graph.call_function(operator.truediv, (node, count))
-    node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    graph = node.graph
+    with graph.inserting_before(node):
+        summed = graph.create_node(node.op, "sum" if node.op == "call_method" else torch.sum, node.args, node.kwargs)
+    place(summed, NodeSharding(PARTIAL, sharding.global_value, sharding.inputs))
+    node.op, node.target = "call_function", operator.truediv
+    node.args, node.kwargs = (summed, size_arg(graph, count, before=node)), {}
+    place(node, NodeSharding(PARTIAL, sharding.global_value, {summed: PARTIAL}))
 
 
 def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")):
@@ -87,9 +87,9 @@ register("var", torch.var, "std", torch.std)(
 register("norm", torch.norm)(_reduction(partial_ok=False, scale=False, params=("input", "p", "dim", "keepdim")))
 
 
-def _along_dim(sequence_localize=None):
-    """Ops along one dim (softmax, cumsum): local unless that dim is the sequence, where only ops with a
-    ``sequence_localize`` (a cross-rank correction) stay sharded."""
+def _along_dim(scan: bool = False):
+    """Ops along one dim (softmax, cumsum): local unless that dim is the sequence, where only a sum scan
+    stays sharded, as ``PartialScan``: each rank's block lacks the totals of the blocks before it."""
 
     def rule(node, view):
         source = node.args[0] if node.args else node.kwargs["input"]
@@ -102,23 +102,16 @@ def _along_dim(sequence_localize=None):
             return None
         if normalize_dim(dim, view.value(source).dim()) != factors[0]:
             return Decision(placement, {source: placement})
-        if sequence_localize is None or factors[1:] != (1, 1):
+        if not scan or factors[1:] != (1, 1):
             return None
-        return Decision(placement, {source: placement}, sequence_localize)
+        return Decision(PartialScan(factors[0]), {source: placement})
 
     return rule
 
 
-def _localize_cumsum(node: fx.Node, sharding, ctx) -> None:
-    dim = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], sharding.global_value.dim())
-    total = insert_call(node.graph, add_previous_ranks_totals, (node, dim, ctx.rank, ctx.world_size, ctx.group_name),
-                        after=node)
-    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-
-
 register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumprod",
          torch.cumprod)(_along_dim())
-register("cumsum", torch.cumsum)(_along_dim(_localize_cumsum))
+register("cumsum", torch.cumsum)(_along_dim(scan=True))
 
 
 def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):

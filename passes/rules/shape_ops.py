@@ -14,19 +14,18 @@ import operator
 import torch
 import torch.fx as fx
 
+from ulysses_compile.compat import statically_known_true
+from ulysses_compile.runtime import summed_away
 from ulysses_compile.sharding import (
     PARTIAL,
-    PLACEMENT_KEY,
     REPLICATE,
     NodeSharding,
     block_range,
     local_shape,
+    place,
     seq_shard,
     with_dim,
 )
-
-from ulysses_compile.compat import statically_known_true
-from ulysses_compile.runtime import summed_away
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, index_entries, method_or_function_args, normalize_dim, register
@@ -271,11 +270,11 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_d
     entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
-        with node.graph.inserting_after(node):
-            zeros = node.graph.call_function(summed_away, (node, out_dim))
-        zeros.meta["ulysses_inserted"] = "not_this_ranks_position"
-        zeros.meta[PLACEMENT_KEY], node.meta[PLACEMENT_KEY] = sharding, NodeSharding(None, None)
-        node.replace_all_uses_with(zeros, delete_user_cb=lambda user: user is not zeros)
+        with node.graph.inserting_before(node):
+            empty = node.graph.create_node(node.op, node.target, node.args, node.kwargs)
+        place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
+        node.op, node.target, node.args, node.kwargs = "call_function", summed_away, (empty, out_dim), {}
+        place(node, NodeSharding(sharding.output, sharding.global_value))
 
 
 def _split_dim(node):

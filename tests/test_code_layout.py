@@ -1,0 +1,77 @@
+"""The package's own rules, read off its source: private torch APIs only through compat, placements
+written by one function, collectives created by the passes that own them, no import-time effects."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted([*ROOT.joinpath("ulysses_compile").glob("*.py"), *ROOT.joinpath("passes").rglob("*.py")])
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_private_torch_modules_are_imported_only_by_compat(path):
+    if path.name == "compat.py":
+        return
+    private = [f"line {node.lineno}: {name}" for node in ast.walk(_tree(path))
+               for name in _imported(node) if any(part.startswith("_") for part in name.split(".")[1:])
+               and name.startswith(("torch", "functorch"))]
+    assert not private, f"{path.name} imports private torch modules; go through compat.py: {private}"
+
+
+def _imported(node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return []
+
+
+def test_placements_are_written_only_through_place():
+    writers = [f"{path.relative_to(ROOT)}" for path in SOURCES if path.name != "sharding.py"
+               and ("ulysses_sharding" in path.read_text() or "sharding._KEY" in path.read_text())]
+    assert not writers, f"these modules touch the placement entry directly instead of sharding.place: {writers}"
+
+
+# Which modules may create a call of each collective in a graph (collectives.insert_call).
+CREATORS = {
+    "passes/redistribute.py": {"scatter_seq", "gather_seq", "seq_to_heads", "reduce_partial", "sync_grad",
+                               "add_previous_ranks_totals"},
+    "passes/insert_all_to_all.py": {"seq_to_heads", "heads_to_seq", "gather_kv_heads"},
+    "passes/average_data_parallel_grads.py": {"average_grad"},
+}
+
+
+def test_collectives_are_created_by_the_passes_that_own_them():
+    from ulysses_compile.collectives import COLLECTIVES
+
+    names = {fn.__name__ for fn in COLLECTIVES} | {"scatter_seq"}
+    for path in SOURCES:
+        relative = str(path.relative_to(ROOT))
+        if relative == "ulysses_compile/collectives.py":
+            continue
+        created = {call.args[1].id for call in ast.walk(_tree(path)) if isinstance(call, ast.Call)
+                   and getattr(call.func, "id", None) == "insert_call" and isinstance(call.args[1], ast.Name)}
+        assert created & names <= CREATORS.get(relative, set()), f"{relative} creates {sorted(created & names)}"
+
+
+def test_importing_the_package_changes_nothing_in_torch():
+    script = (
+        "import torch, torch._logging._internal as logs, torch.optim.optimizer as optim\n"
+        "def state(): return dict(logs.log_registry.log_alias_to_log_qnames), len(optim._global_optimizer_pre_hooks)\n"
+        "before = state()\n"
+        "import ulysses_compile\n"
+        "after = state()\n"
+        "assert before == after, (before, after)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
