@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ulysses_compile.compat import recompute_region, tag_recompute
+from ulysses_compile.compat import checkpoint_context_fn, recompute_region, tag_recompute
 from ulysses_compile.report import module_path
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
@@ -53,7 +53,7 @@ def inline_checkpoint_regions(gm: fx.GraphModule, ctx) -> list[str]:
     region_ids = itertools.count(1)
     for node in list(gm.graph.find_nodes(op="call_function", target=CHECKPOINT)):
         body = getattr(gm, node.args[0].target)
-        if body.meta.get("_checkpoint_context_fn") is not None:
+        if checkpoint_context_fn(body) is not None:
             paths = [module_path(inner) for inner in body.graph.nodes if module_path(inner)]
             where = min(paths, key=len, default=node.name)  # the checkpointed module: the outermost
             notes.append(f"{where}: selective checkpointing (context_fn) is recomputed whole under sequence "

@@ -143,7 +143,7 @@ def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView
     if not isinstance(written, fx.Node):
         return
     have = view.actual_placement(written)
-    if is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != have:
+    if is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have):
         source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
         raise UnsupportedError(
             f"{node.name} ({node.target}) writes in place into {written.name}, which is "

@@ -78,13 +78,15 @@ class _Redistributor:
 
     def _convert(self, node, have, want) -> fx.Node:
         ctx = self.ctx
-        if isinstance(have, Partial):
-            node = self._insert(reduce_partial, (node, ctx.group_name), node, REPLICATE)
-            have = REPLICATE
-        if isinstance(have, PartialScan):
-            node = self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size, ctx.group_name),
-                                node, Shard(have.dim))
-            have = Shard(have.dim)
+        done = completed(have)
+        if done != have:
+            # One completion of a pending sum, shared by every consumer (and by an in-place write into it).
+            if want != done:
+                return self.to(self.to(node, have, done), done, want)
+            if isinstance(have, Partial):
+                return self._insert(reduce_partial, (node, ctx.group_name), node, done)
+            return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size,
+                                                            ctx.group_name), node, done)
         if have == want or _same_blocks(have, want):
             return node
         if self._all_to_all_ok(node, have, want):

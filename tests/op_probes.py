@@ -101,6 +101,12 @@ def _pool_first_and_cumsum(h):
     return running + first.unsqueeze(1)
 
 
+def _cumsum_written_in_place_and_reused(h):
+    running = torch.cumsum(h, dim=1)
+    running.mul_(0.5)  # every later reader sees the write
+    return running * running.amax(-1, keepdim=True) + running
+
+
 def _roll_shift(h):
     return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
 
@@ -127,6 +133,7 @@ PROBES = {
     "dim_keywords": lambda: Probe(_dims_by_keyword),
     "matvec_norm": lambda: Probe(_matvec_and_norm),
     "pool_first_cumsum": lambda: Probe(_pool_first_and_cumsum),
+    "cumsum_in_place_reused": lambda: Probe(_cumsum_written_in_place_and_reused),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

@@ -147,7 +147,10 @@ def test_model_zoo_equal_to_eager_at_two_ranks():
     run_ranks(zoo_equal_to_eager, 2, sorted(model_zoo()))
 
 
+@pytest.mark.slow
 def test_shared_kv_heads_and_padding_masks_at_four_ranks():
+    """Slow tier: MQA, GQA and padding masks at four ranks are also in test_attention_forms and
+    test_sequences."""
     run_ranks(zoo_equal_to_eager, 4, ["bert_padding", "falcon_mqa", "llama_eager_attention", "qwen2"])
 
 
@@ -166,8 +169,13 @@ def probes_equal_to_eager(rank, world_size, lengths):
         compare_model(rank, model, reference, {f"{name} S={seq} output": (got, want)})
 
 
-def test_op_probes_equal_to_eager_at_even_and_uneven_lengths():
-    run_ranks(probes_equal_to_eager, 2, (16, 15))
+def test_op_probes_equal_to_eager_at_an_uneven_length():
+    run_ranks(probes_equal_to_eager, 2, (15,))
+
+
+@pytest.mark.slow
+def test_op_probes_equal_to_eager_at_an_even_length():
+    run_ranks(probes_equal_to_eager, 2, (16,))
 
 
 class DropoutAfterAttention(torch.nn.Module):

@@ -222,6 +222,34 @@ def test_mean_over_the_sequence_is_a_partial_sum(fake_group):
     assert tuple(pooled.meta["val"].shape) == (2, 64)  # [B, hidden]: the only extra communication
 
 
+def test_a_cumsum_is_completed_once_for_all_its_readers(fake_group):
+    from op_probes import PROBES
+
+    from ulysses_compile.collectives import add_previous_ranks_totals
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES["cumsum_in_place_reused"](), (torch.randint(0, 32, (2, 16)),))
+    (completion,) = calls(gm, add_previous_ranks_totals)
+    assert any(user.target == "mul_" for user in completion.users)  # the write lands on what readers read
+
+
+def test_parts_of_a_localized_op_stay_in_its_checkpointed_region(fake_group):
+    from torch.utils.checkpoint import checkpoint
+
+    from op_probes import Probe
+
+    from ulysses_compile.compat import recompute_region
+
+    class Checkpointed(Probe):
+        def forward(self, ids):
+            return checkpoint(super().forward, ids, use_reentrant=False)
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(Checkpointed(lambda h: h * h.mean(1, keepdim=True)), (torch.randint(0, 32, (2, 16)),))
+    (summed,) = [node for node in gm.graph.nodes if node.target == "sum"]
+    assert recompute_region(summed) == 1 and "h.mean(1, keepdim=True)" in summed.meta["stack_trace"]
+
+
 def test_in_place_write_without_a_sharded_form_is_an_error(fake_group):
     from op_probes import Probe
 

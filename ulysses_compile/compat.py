@@ -25,6 +25,8 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "c10d_functional",
+    "checkpoint_context_fn",
+    "copy_recompute_tag",
     "FakeTensorProp",
     "GraphAppendingTracer",
     "PythonReferenceAnalysis",
@@ -109,6 +111,18 @@ def tag_recompute(node, policy, region: int) -> None:
     backward (``policy``, a ``torch.utils.checkpoint.CheckpointPolicy``) as part of checkpointed region
     ``region``."""
     node.meta.update(recompute=policy, ac_graph_id=region)
+
+
+def copy_recompute_tag(source, target) -> None:
+    """Give ``target`` the checkpointing tag ``source`` has, if any."""
+    if "ac_graph_id" in source.meta:
+        tag_recompute(target, source.meta["recompute"], source.meta["ac_graph_id"])
+
+
+def checkpoint_context_fn(body):
+    """The ``context_fn`` of a checkpointed region's body (selective checkpointing), None for plain
+    checkpointing."""
+    return body.meta.get("_checkpoint_context_fn")
 
 
 def recompute_region(node) -> int | None:

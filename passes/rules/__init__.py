@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ulysses_compile.compat import copy_recompute_tag
 from ulysses_compile.sharding import REPLICATE, OutputPlacement, Placement, seq_factors
 
 Rule = Callable[[fx.Node, "RuleView"], "Decision | None"]
@@ -93,6 +94,16 @@ class RuleView:
         found = []
         fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if self.is_tensor(n) else None)
         return list(dict.fromkeys(found))
+
+
+def insert_part(node: fx.Node, op: str, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A node computing part of ``node``'s local form, inserted just before it with its source line,
+    module and checkpointed region (so the backward recomputes it with the region)."""
+    with node.graph.inserting_before(node):
+        new = node.graph.create_node(op, target, args, kwargs or {})
+    new.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
+    copy_recompute_tag(node, new)
+    return new
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

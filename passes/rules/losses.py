@@ -19,7 +19,7 @@ from ulysses_compile.runtime import counted_tokens
 from ulysses_compile.sharding import PARTIAL, REPLICATE, NodeSharding, place, with_dim
 from ulysses_compile.sizes import size_arg
 
-from . import Decision, method_or_function_args, register
+from . import Decision, insert_part, method_or_function_args, register
 
 PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
@@ -28,18 +28,17 @@ def _localize_mean(node: fx.Node, sharding, ctx, *, denominator: int | None) -> 
     """``loss(x, t)`` -> ``loss(x, t, reduction="sum") / count``: both terms Partial, the division on
     their sums (redistribute reduces them)."""
     args = method_or_function_args(node, PARAMS, {"ignore_index": -100})
-    graph = node.graph
     options = {name: args[name] for name in ("weight", "ignore_index", "label_smoothing") if name in args}
-    with graph.inserting_before(node):
-        total = graph.call_function(node.target, (args["input"], args["target"]), {**options, "reduction": "sum"})
+    total = insert_part(node, "call_function", node.target, (args["input"], args["target"]),
+                        {**options, "reduction": "sum"})
     place(total, NodeSharding(PARTIAL, sharding.global_value, sharding.inputs))
     if denominator is None:
-        with graph.inserting_before(node):
-            count = graph.call_function(counted_tokens, (args["target"], args["ignore_index"], args.get("weight")))
+        count = insert_part(node, "call_function", counted_tokens,
+                            (args["target"], args["ignore_index"], args.get("weight")))
         place(count, NodeSharding(PARTIAL, None, {arg: want for arg, want in sharding.inputs.items()
                                                   if arg is not args["input"]}))
     else:
-        count = size_arg(graph, denominator, before=node)
+        count = size_arg(node.graph, denominator, before=node)
     node.target, node.args, node.kwargs = operator.truediv, (total, count), {}
     place(node, NodeSharding(REPLICATE, sharding.global_value,
                              {arg: REPLICATE for arg in (total, count) if isinstance(arg, fx.Node)}))

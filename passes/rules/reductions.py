@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ulysses_compile.sharding import PARTIAL, REPLICATE, NodeSharding, PartialScan, place, sharding_of, with_dim
 from ulysses_compile.sizes import size_arg
 
-from . import Decision, method_or_function_args, normalize_dim, register
+from . import Decision, insert_part, method_or_function_args, normalize_dim, register
 from .pointwise import pointwise
 
 
@@ -39,12 +39,10 @@ def _mean_as_partial_sum(node: fx.Node, sharding, ctx) -> None:
     source = node.args[0] if node.args else node.kwargs["input"]
     global_value = sharding_of(source).global_value
     count = math.prod(global_value.shape[d] for d in _reduced_dims(node, global_value, MEAN_PARAMS))
-    graph = node.graph
-    with graph.inserting_before(node):
-        summed = graph.create_node(node.op, "sum" if node.op == "call_method" else torch.sum, node.args, node.kwargs)
+    summed = insert_part(node, node.op, "sum" if node.op == "call_method" else torch.sum, node.args, node.kwargs)
     place(summed, NodeSharding(PARTIAL, sharding.global_value, sharding.inputs))
     node.op, node.target = "call_function", operator.truediv
-    node.args, node.kwargs = (summed, size_arg(graph, count, before=node)), {}
+    node.args, node.kwargs = (summed, size_arg(node.graph, count, before=node)), {}
     place(node, NodeSharding(PARTIAL, sharding.global_value, {summed: PARTIAL}))
 
 

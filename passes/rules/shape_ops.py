@@ -28,7 +28,7 @@ from ulysses_compile.sharding import (
 )
 from ulysses_compile.sizes import size_arg
 
-from . import Decision, index_entries, method_or_function_args, normalize_dim, register
+from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
 
 # The op tables the rules register and sequence_dims.py walks back through.
 VIEWS = ("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
@@ -270,8 +270,7 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_d
     entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
-        with node.graph.inserting_before(node):
-            empty = node.graph.create_node(node.op, node.target, node.args, node.kwargs)
+        empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
         place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
         node.op, node.target, node.args, node.kwargs = "call_function", summed_away, (empty, out_dim), {}
         place(node, NodeSharding(sharding.output, sharding.global_value))
