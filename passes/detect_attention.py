@@ -291,7 +291,7 @@ def _einsum_operands(node, role: str) -> "_Operands | str":
         key = contracted[0]
         axes = {"first": (left.index(head), left.index(key)), "second": (right.index(head), right.index(key)),
                 "out": (out.index(head), out.index(left_only[0]))}
-    return _Operands(node.args[1], node.args[2], {"first": (node, 1), "second": (node, 2)}, axes, "einsum")
+    return _Operands(node.args[1], node.args[2], {"first": Slot(node, 1), "second": Slot(node, 2)}, axes, "einsum")
 
 
 def _matmul_operands(node, role: str) -> "_Operands | str":
