@@ -122,7 +122,9 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
         # Rules see completed values: a partial sum is all-reduced, a partial scan finished, first.
         view = view.overridden(pending)
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
-        seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) if on_attention_path and rule else None
+        # An in-place op is never where sharding starts: it would write into a sliced copy.
+        seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
+            if on_attention_path and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None
     decision = rule(node, view) if rule else None
     fallback = None
@@ -132,8 +134,21 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
         fallback = _fallback_report(node, view, reason)
     else:
         sharding = NodeSharding(decision.output, value, {**pending, **decision.inputs}, decision.localize)
+        if _writes_into_a_copy(node, sharding, view):
+            sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
+            fallback = _fallback_report(node, view, "it writes in place into a whole tensor, which stays whole")
     _check_writes_in_place(node, sharding, view)
     return sharding, fallback
+
+
+def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -> bool:
+    """An op that writes into a whole (replicated) tensor but would receive it sliced: the write would
+    land on the slice, and later readers of the whole tensor would miss it."""
+    written = mutated_arg(node)
+    if not isinstance(written, fx.Node):
+        return False
+    have = view.actual_placement(written)
+    return not is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have)
 
 
 def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView) -> None:

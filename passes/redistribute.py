@@ -57,6 +57,9 @@ from ulysses_compile.sharding import (
     sharding_of,
 )
 
+from .rules import mutated_arg
+from .rules.shape_ops import ALIASING
+
 
 log = logging.getLogger("ulysses_compile")
 
@@ -65,47 +68,57 @@ class _Redistributor:
     def __init__(self, graph: fx.Graph, ctx):
         self.graph = graph
         self.ctx = ctx
-        self.converted: dict[tuple[fx.Node, object], fx.Node] = {}
-        self.synced: dict[fx.Node, fx.Node] = {}
+        self.converted: dict[tuple, fx.Node] = {}
+        self.synced: dict[tuple, fx.Node] = {}
+        # A value written in place through its conversion (a completed partial sum): later readers start
+        # from that conversion, which holds the write.
+        self.holder: dict[fx.Node, tuple[fx.Node, object]] = {}
 
-    def to(self, node: fx.Node, have, want) -> fx.Node:
-        if have == want:
-            return node
-        key = (node, want)
+    def to(self, node: fx.Node, have, want, before: fx.Node | None = None, version: int = 0) -> fx.Node:
+        """``node`` converted from ``have`` to ``want``: placed right after it, or just before
+        ``before`` (a consumer, when ``node`` is written in place somewhere); shared by the consumers
+        that read the same ``version`` of it (the number of in-place writes into it before them)."""
+        source, source_have = self.holder.get(node, (node, have))
+        if source_have == want:
+            return source
+        key = (node, want, version)
         if key not in self.converted:
-            self.converted[key] = self._convert(node, have, want)
+            self.converted[key] = self._convert(source, source_have, want, before, version)
         return self.converted[key]
 
-    def _convert(self, node, have, want) -> fx.Node:
+    def written_through(self, node: fx.Node, conversion: fx.Node, placement) -> None:
+        self.holder[node] = (conversion, placement)
+
+    def _convert(self, node, have, want, before, version) -> fx.Node:
         ctx = self.ctx
         done = completed(have)
         if done != have:
-            # One completion of a pending sum, shared by every consumer (and by an in-place write into it).
+            # One completion of a pending sum, shared by every consumer that reads the same version.
             if want != done:
-                return self.to(self.to(node, have, done), done, want)
+                return self.to(self.to(node, have, done, before, version), done, want, before, version)
             if isinstance(have, Partial):
-                return self._insert(reduce_partial, (node, ctx.group_name), node, done)
+                return self._insert(reduce_partial, (node, ctx.group_name), node, done, before)
             return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size,
-                                                            ctx.group_name), node, done)
+                                                            ctx.group_name), node, done, before)
         if have == want or _same_blocks(have, want):
             return node
         if self._all_to_all_ok(node, have, want):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
             length = sharding_of(node).global_value.shape[have.dim]
             return self._insert(seq_to_heads, (node, have.dim, want.dim, length, ctx.rank, ctx.world_size,
-                                               ctx.group_name), node, want)
+                                               ctx.group_name), node, want, before)
         if seq_factors(have) is not None:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
             node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank, ctx.world_size,
-                                             ctx.group_name), node, REPLICATE)
+                                             ctx.group_name), node, REPLICATE, before)
             have = REPLICATE
         if have == want:
             return node
         if isinstance(want, (Partial, PartialScan)):
             raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
         return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
-                            node, want)
+                            node, want, before)
 
     def _all_to_all_ok(self, node, have, want) -> bool:
         value = sharding_of(node).global_value
@@ -116,15 +129,52 @@ class _Redistributor:
             and value.shape[want.dim] >= self.ctx.world_size
         )
 
-    def _insert(self, fn, args, after: fx.Node, placement) -> fx.Node:
+    def _insert(self, fn, args, after: fx.Node, placement, before: fx.Node | None) -> fx.Node:
         source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
-        return place(insert_call(self.graph, fn, args, after=after),
-                     NodeSharding(placement, source.global_value if source else None))
+        call = insert_call(self.graph, fn, args, before=before) if before is not None \
+            else insert_call(self.graph, fn, args, after=after)
+        return place(call, NodeSharding(placement, source.global_value if source else None))
 
-    def synced_for_local_use(self, node: fx.Node) -> fx.Node:
-        if node not in self.synced:
-            self.synced[node] = self._insert(sync_grad, (node, self.ctx.group_name), node, REPLICATE)
-        return self.synced[node]
+    def synced_for_local_use(self, node: fx.Node, before: fx.Node | None, version: int) -> fx.Node:
+        if (node, version) not in self.synced:
+            self.synced[(node, version)] = self._insert(sync_grad, (node, self.ctx.group_name), node, REPLICATE,
+                                                        before)
+        return self.synced[(node, version)]
+
+
+class _Writes:
+    """In-place writes in graph order. A conversion must read the value its consumer reads: for a
+    value written in place after it is made (through any alias), that is the value just before the
+    consumer, not the one right after the producer."""
+
+    def __init__(self, graph: fx.Graph):
+        self.base: dict[fx.Node, fx.Node] = {}
+        written = set()
+        for node in graph.nodes:
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            aliases = source is not None and (_may_alias(node) or mutated_arg(node) is source)
+            self.base[node] = self.base.get(source, source) if aliases else node
+            target = mutated_arg(node)
+            if isinstance(target, fx.Node):
+                written.add(self.base.get(target, target))
+        self.version = dict.fromkeys(written, 0)
+
+    def anchor(self, node: fx.Node, consumer: fx.Node) -> fx.Node | None:
+        return consumer if self.base.get(node, node) in self.version else None
+
+    def seen(self, node: fx.Node) -> int:
+        return self.version.get(self.base.get(node, node), 0)
+
+    def record(self, written: fx.Node | None) -> None:
+        if isinstance(written, fx.Node):
+            self.version[self.base.get(written, written)] += 1
+
+
+def _may_alias(node: fx.Node) -> bool:
+    try:
+        return node.op in ("call_function", "call_method") and node.target in ALIASING
+    except TypeError:  # an unhashable target
+        return False
 
 
 def _same_blocks(have, want) -> bool:
@@ -148,13 +198,16 @@ def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
     """Insert the conversions; returns a line for each output gathered from sequence shards."""
     graph = gm.graph
     redistributor = _Redistributor(graph, ctx)
+    writes = _Writes(graph)
     gathered: list[str] = []
     for node in list(graph.nodes):
         sharding = sharding_of(node)
         if node.op == "output":
-            gathered = _redistribute_outputs(node, redistributor, ctx)
+            gathered = _redistribute_outputs(node, redistributor, ctx, writes)
             continue
+        written = mutated_arg(node)
         if sharding is None:
+            writes.record(written)
             continue
         local_op = is_rank_local(sharding.output)
         for arg in dict.fromkeys(node.all_input_nodes):
@@ -162,15 +215,19 @@ def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
             if have is None or isinstance(have, tuple):
                 continue
             want = sharding.inputs.get(arg, REPLICATE)
-            new = redistributor.to(arg, have, want)
+            before, version = writes.anchor(arg, node), writes.seen(arg)
+            new = redistributor.to(arg, have, want, before, version)
             if local_op and isinstance(want, Replicate) and _requires_grad(new):
-                new = redistributor.synced_for_local_use(new)
+                new = redistributor.synced_for_local_use(new, before, version)
             if new is not arg:
                 node.replace_input_with(arg, new)
+                if arg is written:
+                    redistributor.written_through(arg, new, want)
+        writes.record(written)
     return gathered
 
 
-def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -> list[str]:
+def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, writes: _Writes) -> list[str]:
     gathered = []
 
     def convert(arg):
@@ -178,8 +235,9 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -
         if sharding is None or sharding.output is None or isinstance(sharding.output, tuple):
             return arg
         have = sharding.output
+        before, version = writes.anchor(arg, output), writes.seen(arg)
         if ctx.options.outputs == "local":
-            return redistributor.to(arg, have, completed(have))
+            return redistributor.to(arg, have, completed(have), before, version)
         if is_sharded(completed(have)):
             shape = list(sharding.global_value.shape)
             gathered.append(
@@ -187,7 +245,7 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx) -
                 f"value crossing a graph break, which the next graph slices again)"
             )
             log.info("ulysses_compile: %s", gathered[-1])
-        return redistributor.to(arg, have, REPLICATE)
+        return redistributor.to(arg, have, REPLICATE, before, version)
 
     output.args = fx.node.map_arg(output.args, convert)
     return gathered

@@ -107,6 +107,33 @@ def _cumsum_written_in_place_and_reused(h):
     return running * running.amax(-1, keepdim=True) + running
 
 
+def _written_then_gathered(h):
+    h = h * 1.0
+    h.mul_(2.0)  # a write into a sequence-sharded value after it is made
+    return torch.roll(h, shifts=1, dims=1) + h  # roll gathers h: the written h
+
+
+def _whole_buffer_written_by_tokens(h):
+    total = torch.zeros(h.shape)  # whole on every rank
+    total.add_(h)  # written in place by a sequence-sharded value
+    return total + h
+
+
+class RightShifted(Probe):
+    """Decoder inputs built from labels as T5 and BART build them: a new tensor written in place
+    (shifted right by one, a start token, ignored positions replaced), then embedded and sharded."""
+
+    def __init__(self):
+        super().__init__(nn.Identity())
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 0
+        shifted.masked_fill_(shifted == -100, 0)
+        return super().forward(shifted)
+
+
 def _roll_shift(h):
     return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
 
@@ -134,6 +161,9 @@ PROBES = {
     "matvec_norm": lambda: Probe(_matvec_and_norm),
     "pool_first_cumsum": lambda: Probe(_pool_first_and_cumsum),
     "cumsum_in_place_reused": lambda: Probe(_cumsum_written_in_place_and_reused),
+    "written_then_gathered": lambda: Probe(_written_then_gathered),
+    "whole_buffer_written_by_tokens": lambda: Probe(_whole_buffer_written_by_tokens),
+    "right_shifted_inputs": RightShifted,
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

@@ -150,6 +150,9 @@ def mutated_arg(node: fx.Node):
         return node.args[0]
     if node.op != "call_function" or not node.args:
         return None
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_") and isinstance(node.args[0], fx.Node):
+        return node.args[0]  # torch.relu_(x), torch.nn.init.zeros_(w)
     if node.target in _WRITES_FIRST_ARGUMENT:
         return node.args[0]
     try:

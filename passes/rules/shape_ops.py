@@ -36,6 +36,16 @@ VIEWS = ("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten"
 TRANSPOSES = ("transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims", torch.swapdims)
 SPLITS = ("split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split)
 UNBINDS = ("unbind", torch.unbind)
+# Ops whose result may share storage with their first argument, so that an in-place write into one is
+# seen through the other. Over-inclusive on purpose (reshape, contiguous and casts may copy): a false
+# alias only costs a conversion placed later, a missed one a stale read.
+ALIASING = frozenset({
+    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, operator.getitem, "expand", "expand_as", "permute", torch.permute,
+    "movedim", torch.movedim, "moveaxis", torch.moveaxis, "unsqueeze", torch.unsqueeze, "squeeze", torch.squeeze,
+    "narrow", torch.narrow, "select", torch.select, "t", torch.t, "detach", torch.detach, "as_strided",
+    "diagonal", torch.diagonal, "unfold", "contiguous", "view_as_real", torch.view_as_real, "view_as_complex",
+    torch.view_as_complex, "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "bool",
+})
 
 
 def _flat_position(shape, dim, outer, inner):
