@@ -37,6 +37,30 @@ def token_batch(batch: int = 2, seq: int = 32, seed: int = 1) -> tuple[torch.Ten
     return ids, labels
 
 
+def tiny_t5(seed: int = 0):
+    """An encoder-decoder with T5's relative position bias; its decoder inputs are the labels shifted
+    right by the model itself, written into a new tensor in place."""
+    import transformers as t
+
+    torch.manual_seed(seed)
+    return t.T5ForConditionalGeneration(t.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+
+
+def tiny_deepseek_v3(seed: int = 0):
+    """Multi-head latent attention (low-rank q and kv, rotary and plain head parts written into a new
+    tensor in place, value head dim below the query's) and group-limited MoE with a shared expert."""
+    import transformers as t
+
+    torch.manual_seed(seed)
+    return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64))
+
+
 def _causal(config_cls, model_cls, **overrides):
     def make():
         torch.manual_seed(0)
