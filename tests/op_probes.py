@@ -119,6 +119,13 @@ def _whole_buffer_written_by_tokens(h):
     return total + h
 
 
+def _halves_written_into_a_new_buffer(h):
+    joined = h.new_empty(*h.shape[:-1], DIM)  # as DeepSeek-V3 builds its keys
+    joined[..., : DIM // 2].copy_(h[..., DIM // 2 :])
+    joined[..., DIM // 2 :].copy_(h[..., : DIM // 2] * 2)
+    return joined
+
+
 class RightShifted(Probe):
     """Decoder inputs built from labels as T5 and BART build them: a new tensor written in place
     (shifted right by one, a start token, ignored positions replaced), then embedded and sharded."""
@@ -164,6 +171,7 @@ PROBES = {
     "written_then_gathered": lambda: Probe(_written_then_gathered),
     "whole_buffer_written_by_tokens": lambda: Probe(_whole_buffer_written_by_tokens),
     "right_shifted_inputs": RightShifted,
+    "halves_into_new_buffer": lambda: Probe(_halves_written_into_a_new_buffer),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

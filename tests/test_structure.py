@@ -233,6 +233,16 @@ def test_a_cumsum_is_completed_once_for_all_its_readers(fake_group):
     assert any(user.target == "mul_" for user in completion.users)  # the write lands on what readers read
 
 
+def test_a_new_buffer_of_a_sharded_value_is_made_in_blocks(fake_group):
+    from op_probes import PROBES
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES["halves_into_new_buffer"](), (torch.randint(0, 32, (2, 15)),))
+    assert gm.meta["ulysses_report"].fallbacks == [] and len(calls(gm, gather_seq)) == 1  # the output
+    (made,) = [node for node in gm.graph.nodes if node.target == "new_empty"]
+    assert tuple(made.meta["val"].shape)[1] == 8  # rank 0's block of 15 positions
+
+
 def test_parts_of_a_localized_op_stay_in_its_checkpointed_region(fake_group):
     from torch.utils.checkpoint import checkpoint
 

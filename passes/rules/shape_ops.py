@@ -21,12 +21,13 @@ from ulysses_compile.sharding import (
     REPLICATE,
     NodeSharding,
     block_range,
+    is_rank_local,
     local_shape,
     place,
     seq_shard,
     with_dim,
 )
-from ulysses_compile.sizes import size_arg
+from ulysses_compile.sizes import same_size, size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
 
@@ -117,6 +118,29 @@ def _global_size(node: fx.Node, sharding, ctx) -> None:
             size = node.graph.call_function(torch.Size, (list(size),))
     node.replace_all_uses_with(size)
     node.graph.erase_node(node)
+
+
+@register("new_empty", "new_zeros", "new_ones", "new_full")
+def new_tensor_rule(node, view):
+    """``x.new_zeros(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of one
+    value (or none yet), so each rank makes its own block of it (x's values are not read). Only where x
+    already is sharded: a buffer is never where sharding starts, as what is written into it may not
+    split (T5 shifts its labels into one)."""
+    source = node.args[0]
+    factors = view.sharded(source) if is_rank_local(view.actual_placement(source)) else None
+    out, value = view.value(node), view.value(source)
+    if factors is None or factors[1:] != (1, 1) or not isinstance(out, torch.Tensor) or out.dim() != value.dim() \
+            or not same_size(out.shape[factors[0]], value.shape[factors[0]]):
+        return None
+    return Decision(view.placement(source), {source: view.placement(source)}, _localize_new_tensor)
+
+
+def _localize_new_tensor(node: fx.Node, sharding, ctx) -> None:
+    shape = size_arg(node.graph, local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank),
+                     before=node)
+    rest = node.args[2:] if node.target == "new_full" or isinstance(node.args[1], (tuple, list)) else ()
+    node.args = (node.args[0], tuple(shape), *rest)
+    node.kwargs = {key: value for key, value in node.kwargs.items() if key != "size"}
 
 
 @register("size")
