@@ -192,10 +192,12 @@ SOFTMAX = (F.softmax, torch.softmax, "softmax")
 MATMUL = (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm")
 SCORES = MATMUL + (torch.baddbmm, "baddbmm", torch.einsum)
 VALUES = MATMUL + (torch.einsum,)
-# Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, casts, dropout.
+# Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, logit soft-capping (Gemma 2's
+# cap * tanh(scores / cap)), casts, dropout.
 BETWEEN = (
     operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.masked_fill,
-    "mul", "div", "add", "masked_fill", "to", "float", "type_as", "contiguous", F.dropout, torch.dropout,
+    torch.tanh, "mul", "div", "add", "masked_fill", "tanh", "to", "float", "type_as", "contiguous", F.dropout,
+    torch.dropout,
 )
 
 

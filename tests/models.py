@@ -91,6 +91,8 @@ def model_zoo() -> dict:
         "mistral": (_causal(t.MistralConfig, t.MistralForCausalLM), "causal"),
         "qwen3": (_causal(t.Qwen3Config, t.Qwen3ForCausalLM, head_dim=16), "causal"),
         "gemma": (_causal(t.GemmaConfig, t.GemmaForCausalLM, head_dim=16), "causal"),
+        "gemma2_softcap": (_causal(t.Gemma2Config, t.Gemma2ForCausalLM, head_dim=16, attn_implementation="eager",
+                                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "causal"),
         "phi3": (_causal(t.Phi3Config, t.Phi3ForCausalLM, pad_token_id=0), "causal"),
         "gpt_neox": (_causal(t.GPTNeoXConfig, t.GPTNeoXForCausalLM, num_key_value_heads=None), "causal"),
         "opt": (_causal(t.OPTConfig, t.OPTForCausalLM, intermediate_size=None, num_key_value_heads=None, ffn_dim=128,
