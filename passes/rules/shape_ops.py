@@ -120,12 +120,12 @@ def _global_size(node: fx.Node, sharding, ctx) -> None:
     node.graph.erase_node(node)
 
 
-@register("new_empty", "new_zeros", "new_ones", "new_full")
+@register("new_empty")
 def new_tensor_rule(node, view):
-    """``x.new_zeros(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of one
-    value (or none yet), so each rank makes its own block of it (x's values are not read). Only where x
-    already is sharded: a buffer is never where sharding starts, as what is written into it may not
-    split (T5 shifts its labels into one)."""
+    """``x.new_empty(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of no
+    values yet, so each rank makes its own block of it (x's values are not read), as DeepSeek-V3 makes
+    the buffer it writes its keys into. Only where x already is sharded, and not ``new_zeros``: a buffer
+    filled by shifted writes (T5's labels) must stay whole."""
     source = node.args[0]
     factors = view.sharded(source) if is_rank_local(view.actual_placement(source)) else None
     out, value = view.value(node), view.value(source)
@@ -138,9 +138,10 @@ def new_tensor_rule(node, view):
 def _localize_new_tensor(node: fx.Node, sharding, ctx) -> None:
     shape = size_arg(node.graph, local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank),
                      before=node)
-    rest = node.args[2:] if node.target == "new_full" or isinstance(node.args[1], (tuple, list)) else ()
-    node.args = (node.args[0], tuple(shape), *rest)
-    node.kwargs = {key: value for key, value in node.kwargs.items() if key != "size"}
+    if "size" in node.kwargs:
+        node.kwargs = {**node.kwargs, "size": tuple(shape)}
+    else:
+        node.args = (node.args[0], tuple(shape))
 
 
 @register("size")
