@@ -42,6 +42,7 @@ from ulysses_compile.sharding import (
     sharding_of,
 )
 
+from .in_place_writes import alias_bases, may_alias, written_bases
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
 from .sequence_dims import sequence_dims
 
@@ -54,6 +55,10 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
     head_parallel = _head_parallel_nodes(sites)
     seq_dims = sequence_dims(sites, ctx.parameters)
     seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
+    bases = alias_bases(gm.graph)
+    written = written_bases(gm.graph, bases)
+    # A view of a value written in place is not where sharding starts: it would view a sliced copy.
+    feeds_attention -= {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     view = RuleView(_output_placement, ctx.world_size)
     fallbacks: list[Fallback] = []
     for node in gm.graph.nodes:

@@ -57,8 +57,8 @@ from ulysses_compile.sharding import (
     sharding_of,
 )
 
+from .in_place_writes import alias_bases, may_alias, written_bases
 from .rules import mutated_arg
-from .rules.shape_ops import ALIASING
 
 
 log = logging.getLogger("ulysses_compile")
@@ -148,16 +148,8 @@ class _Writes:
     consumer, not the one right after the producer."""
 
     def __init__(self, graph: fx.Graph):
-        self.base: dict[fx.Node, fx.Node] = {}
-        written = set()
-        for node in graph.nodes:
-            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-            aliases = source is not None and (_may_alias(node) or mutated_arg(node) is source)
-            self.base[node] = self.base.get(source, source) if aliases else node
-            target = mutated_arg(node)
-            if isinstance(target, fx.Node):
-                written.add(self.base.get(target, target))
-        self.version = dict.fromkeys(written, 0)
+        self.base = alias_bases(graph)
+        self.version = dict.fromkeys(written_bases(graph, self.base), 0)
 
     def anchor(self, node: fx.Node, consumer: fx.Node) -> fx.Node | None:
         return consumer if self.base.get(node, node) in self.version else None
@@ -168,13 +160,6 @@ class _Writes:
     def record(self, written: fx.Node | None) -> None:
         if isinstance(written, fx.Node):
             self.version[self.base.get(written, written)] += 1
-
-
-def _may_alias(node: fx.Node) -> bool:
-    try:
-        return node.op in ("call_function", "call_method") and node.target in ALIASING
-    except TypeError:  # an unhashable target
-        return False
 
 
 def _same_blocks(have, want) -> bool:
@@ -221,7 +206,8 @@ def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
                 new = redistributor.synced_for_local_use(new, before, version)
             if new is not arg:
                 node.replace_input_with(arg, new)
-                if arg is written:
+                if arg is written or (before is not None and may_alias(node)):
+                    # A write into it, or a view of it that a write may go through, lands on the conversion.
                     redistributor.written_through(arg, new, want)
         writes.record(written)
     return gathered

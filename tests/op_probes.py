@@ -126,6 +126,19 @@ def _halves_written_into_a_new_buffer(h):
     return joined
 
 
+def _position_read_around_a_write(h):
+    first = h[:, 0]  # a view: the write below changes it too
+    before = torch.tanh(first)
+    h.mul_(2.0)
+    return h + (before + torch.tanh(first)).unsqueeze(1)
+
+
+def _sum_written_through_a_view(h):
+    total = h.sum(1)
+    total.view(-1).add_(1.0)
+    return h * torch.tanh(total).unsqueeze(1)
+
+
 class RightShifted(Probe):
     """Decoder inputs built from labels as T5 and BART build them: a new tensor written in place
     (shifted right by one, a start token, ignored positions replaced), then embedded and sharded."""
@@ -135,10 +148,11 @@ class RightShifted(Probe):
 
     def forward(self, ids):
         shifted = ids.new_zeros(ids.shape)
+        flat = shifted.view(-1, ids.shape[-1])  # a view taken before the writes, read after them
         shifted[..., 1:] = ids[..., :-1].clone()
         shifted[..., 0] = 0
         shifted.masked_fill_(shifted == -100, 0)
-        return super().forward(shifted)
+        return super().forward(flat)
 
 
 def _roll_shift(h):
@@ -172,6 +186,8 @@ PROBES = {
     "whole_buffer_written_by_tokens": lambda: Probe(_whole_buffer_written_by_tokens),
     "right_shifted_inputs": RightShifted,
     "halves_into_new_buffer": lambda: Probe(_halves_written_into_a_new_buffer),
+    "position_read_around_a_write": lambda: Probe(_position_read_around_a_write),
+    "sum_written_through_a_view": lambda: Probe(_sum_written_through_a_view),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

@@ -16,6 +16,7 @@ from .compat import (
     list_mode_options,
     make_boxed_func,
     min_cut_rematerialization_partition,
+    no_graph_cse,
 )
 from .context import PassContext
 from .errors import UnsupportedError
@@ -102,7 +103,8 @@ BUCKETING = {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all"}
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
     if compiler == "inductor":
         patches = {**BUCKETING, **(list_mode_options(mode) if mode else {})}
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with no_graph_cse():
+            return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":
         return aot(_boxed_eager, _boxed_eager)(gm, example_inputs)
     return gm.forward
@@ -110,9 +112,15 @@ def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str |
 
 def aot(fw_compiler, bw_compiler):
     """AOTAutograd with Inductor's partitioner, so aot_eager saves and recomputes what Inductor would
-    (ZeRO-3 re-gathers)."""
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                        partition_fn=min_cut_rematerialization_partition)
+    (ZeRO-3 re-gathers); like compile_fx here, it merges no equal nodes (``compat.no_graph_cse``)."""
+    compile_joint = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                 partition_fn=min_cut_rematerialization_partition)
+
+    def compile_without_cse(gm: fx.GraphModule, example_inputs):
+        with no_graph_cse():
+            return compile_joint(gm, example_inputs)
+
+    return compile_without_cse
 
 
 def _boxed_eager(gm: fx.GraphModule, example_inputs):

@@ -45,6 +45,7 @@ __all__ = [
     "symbolic_hint",
     "tag_recompute",
     "min_cut_rematerialization_partition",
+    "no_graph_cse",
     "run_and_get_code",
     "statically_known_true",
     "sympy_interp",
@@ -64,6 +65,15 @@ def process_group_timeout(group) -> str:
         return str(group._get_backend(torch.device("cpu")).options._timeout)
     except (RuntimeError, AttributeError):
         return "see init_process_group(timeout=...)"
+
+
+def no_graph_cse():
+    """A context in which AOTAutograd's partitioner does not merge equal nodes. Ranks' graphs may differ
+    in structure (a position read on one rank is a view there and a fresh zero block elsewhere), so two
+    equal collectives merged on one rank only would make the ranks meet out of step."""
+    from torch._functorch import config
+
+    return config.patch(cse=False)
 
 
 def op_name(node) -> str | None:

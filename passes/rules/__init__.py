@@ -148,6 +148,8 @@ def mutated_arg(node: fx.Node):
     """The argument an op writes into: ``x.add_(y)``, ``x += y``, ``x[i] = y``, ``F.relu(x, inplace=True)``."""
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
         return node.args[0]
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        return node.kwargs["out"]  # torch.add(a, b, out=buffer)
     if node.op != "call_function" or not node.args:
         return None
     name = getattr(node.target, "__name__", "")
