@@ -1,0 +1,246 @@
+"""Every causal LM in the installed transformers, from a tiny config made here, at P gloo ranks against
+eager: is each attention parallelized, and is the answer exact?
+
+    .venv/bin/python tests/zoo_sweep.py                      # the full sweep, sdpa and eager, P = 2
+    .venv/bin/python tests/zoo_sweep.py --only llama,gpt2 --impl sdpa --table docs/zoo.md
+
+Each architecture runs in its own P processes with a time limit, so a crash or a hang is one row of the
+table, not the end of the sweep. A config is shrunk by setting the fields it has (hidden size, layers,
+heads, experts, low-rank dims, vocabulary) before its ``__post_init__`` derives the rest (layer types).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+VOCAB, SEQ, BATCH = 128, 24, 2
+TIME_LIMIT_S = 300
+RTOL = 1e-4
+
+SMALL = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 256,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "num_decoder_layers": 2,
+    "num_encoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "d_model": 64,
+    "ffn_dim": 128, "d_ff": 128, "d_kv": 16, "num_heads": 4, "n_positions": 256, "n_ctx": 256,
+    "attention_window": 16, "embedding_size": 64, "type_vocab_size": 2, "moe_num_experts": 4,
+    "num_shared_experts": 1, "moe_topk": 2, "expert_intermediate_size": 32, "mamba_n_heads": 4,
+    "mamba_d_head": 16, "mamba_d_state": 16, "state_size": 16, "ssm_state_size": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+}
+# What the row says when a model runs replicated or refuses, beyond the report's own words.
+OUTCOMES = ("parallel, exact", "partly parallel, exact", "replicated with a reason, exact", "refused with an error",
+            "not built here", "FAILS", "SILENT MISMATCH")
+
+
+@dataclass
+class Row:
+    model_type: str
+    impl: str
+    outcome: str = "FAILS"
+    sites: int = 0
+    parallel_sites: int = 0
+    all_to_alls: int = 0
+    gathers: list[str] = field(default_factory=list)
+    reason: str = ""
+    worst_error: float = 0.0  # max abs error / max magnitude, over loss, logits and every gradient
+    seconds: float = 0.0
+
+
+def causal_lm_types() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def tiny_model(model_type: str, impl: str):
+    import torch
+    import transformers
+
+    defaults = transformers.AutoConfig.for_model(model_type)
+    overrides = {key: value for key, value in SMALL.items() if hasattr(defaults, key)}
+    # No randomness: dropout, layer drop and router jitter would draw differently than eager does.
+    overrides.update({key: 0.0 for key, value in defaults.to_dict().items()
+                      if isinstance(value, float) and ("drop" in key or "jitter" in key)})
+    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if isinstance(getattr(config, token, None), int) and getattr(config, token) >= VOCAB:
+            setattr(config, token, 0)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    model_class = getattr(transformers, causal_lm_types()[model_type])
+    return model_class(config).float().train()
+
+
+def _relative_error(got, want) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    if got.shape != want.shape:
+        return float("inf")
+    scale = want.abs().max().item() if want.numel() else 0.0
+    error = (got - want).abs().max().item() if want.numel() else 0.0
+    return error / scale if scale > 0 else error
+
+
+def run_rank(rank: int, world_size: int, model_type: str, impl: str, result_path: str) -> None:
+    import copy
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_compile.backend import ulysses
+    from ulysses_compile.errors import UlyssesError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    row, started = Row(model_type, impl), time.monotonic()
+    try:
+        model = tiny_model(model_type, impl)
+        reference = copy.deepcopy(model)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        inputs = {"input_ids": ids, "labels": ids}
+        want = reference(**inputs)
+        want.loss.backward()
+    except Exception as error:  # the harness's tiny config, not the compiler: its own row
+        row.outcome, row.reason = "not built here", f"{type(error).__name__}: {error}"[:300]
+        return _write(rank, result_path, row, started)
+    reports = []
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
+        reports.append(gm.meta["ulysses_report"])
+        return compiled
+
+    try:
+        got = torch.compile(model, backend=backend)(**inputs)
+        got.loss.backward()
+    except UlyssesError as error:
+        row.outcome, row.reason = "refused with an error", f"{type(error).__name__}: {error}"[:300]
+        return _write(rank, result_path, row, started)
+    except Exception:
+        row.reason = traceback.format_exc()[-600:]
+        return _write(rank, result_path, row, started)
+    pairs = [(got.loss, want.loss), (got.logits, want.logits)]
+    named = dict(reference.named_parameters())
+    pairs += [(p.grad, named[n].grad) for n, p in model.named_parameters()
+              if p.grad is not None or named[n].grad is not None]
+    row.worst_error = max(float("inf") if g is None or w is None else _relative_error(g, w) for g, w in pairs)
+    _describe(row, reports)
+    if not row.worst_error <= RTOL:
+        row.outcome = "SILENT MISMATCH"
+    return _write(rank, result_path, row, started)
+
+
+def _describe(row: Row, reports) -> None:
+    sites = [site for report in reports for site in report.attention_sites]
+    row.sites = len(sites)
+    row.parallel_sites = sum("parallelized" in site.decision for report in reports if not report.replicated
+                             for site in report.attention_sites)
+    row.all_to_alls = sum(c.kind in ("seq_to_heads", "heads_to_seq") for r in reports for c in r.collectives)
+    row.gathers = sorted({f"{f.op}: {f.reason}"[:120] for r in reports for f in r.fallbacks})
+    reasons = [r.replicated for r in reports if r.replicated] + [s.decision for s in sites
+                                                                 if "parallelized" not in s.decision]
+    reasons += [why for r in reports for why in r.rejected_attention]
+    row.reason = "; ".join(dict.fromkeys(reasons))[:300]
+    if row.sites and row.parallel_sites == row.sites and not row.gathers:
+        row.outcome = "parallel, exact"
+    elif row.parallel_sites:
+        row.outcome = "partly parallel, exact"
+    elif row.reason:
+        row.outcome = "replicated with a reason, exact"
+    else:
+        row.outcome = "SILENT MISMATCH"  # replicated with no reason the user sees: a defect of its own
+        row.reason = "replicated, and the report says nothing of why"
+
+
+def _write(rank: int, path: str, row: Row, started: float) -> None:
+    row.seconds = round(time.monotonic() - started, 1)
+    if rank == 0:
+        Path(path).write_text(json.dumps(asdict(row)))
+
+
+def sweep_one(model_type: str, impl: str, world_size: int) -> Row:
+    """One architecture in its own ``world_size`` processes; a crash or a hang is its row."""
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "row.json")
+        command = [sys.executable, __file__, "--one", model_type, "--impl", impl, "--world-size", str(world_size),
+                   "--result", result]
+        started = time.monotonic()
+        try:
+            finished = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            return Row(model_type, impl, reason=f"no result within {TIME_LIMIT_S} s", seconds=TIME_LIMIT_S)
+        if not os.path.exists(result):
+            return Row(model_type, impl, reason=(finished.stderr or finished.stdout)[-600:],
+                       seconds=round(time.monotonic() - started, 1))
+        return Row(**json.loads(Path(result).read_text()))
+
+
+def _spawn_one(model_type: str, impl: str, world_size: int, result: str) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    mp.spawn(run_rank, args=(world_size, model_type, impl, result), nprocs=world_size)
+
+
+def table(rows: list[Row]) -> str:
+    counts = {outcome: sum(row.outcome == outcome for row in rows) for outcome in OUTCOMES}
+    lines = [" · ".join(f"{outcome}: {count}" for outcome, count in counts.items() if count), "",
+             "| model type | attention | outcome | sites parallel | all-to-alls | gathered | reason |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        gathered = "; ".join(row.gathers)[:160]
+        lines.append(f"| {row.model_type} | {row.impl} | {row.outcome} | {row.parallel_sites}/{row.sites} | "
+                     f"{row.all_to_alls} | {gathered} | {row.reason.splitlines()[-1] if row.reason else ''} |"
+                     .replace("\n", " "))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (default: every causal LM)")
+    parser.add_argument("--impl", nargs="+", default=["sdpa", "eager"])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--table", help="write the markdown table here")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        return _spawn_one(args.one, args.impl[0], args.world_size, args.result)
+    types = args.only.split(",") if args.only else list(causal_lm_types())
+    rows = []
+    for model_type in types:
+        for impl in args.impl:
+            rows.append(sweep_one(model_type, impl, args.world_size))
+            row = rows[-1]
+            print(f"{row.model_type:28} {row.impl:6} {row.outcome:32} {row.parallel_sites}/{row.sites} "
+                  f"{row.seconds:6.1f}s {row.reason.splitlines()[-1][:100] if row.reason else ''}", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.table:
+        Path(args.table).write_text(table(rows))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
