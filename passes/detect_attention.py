@@ -196,7 +196,7 @@ VALUES = MATMUL + (torch.einsum,)
 # cap * tanh(scores / cap)), casts, dropout.
 BETWEEN = (
     operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.masked_fill,
-    torch.tanh, "mul", "div", "add", "masked_fill", "tanh", "to", "float", "type_as", "contiguous", F.dropout,
+    torch.tanh, "mul", "div", "add", "masked_fill", "tanh", "to", "float", "type", "type_as", "contiguous", F.dropout,
     torch.dropout,
 )
 
@@ -215,21 +215,46 @@ def _mark_output(graph: fx.Graph, site: "AttentionSite") -> fx.Node:
 
 
 def _scores_matmul(node, side_inputs: list, depth: int = 0):
-    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales and masks;
-    the other tensors met on the way (masks, biases) are appended to ``side_inputs``."""
+    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales, masks and
+    joined sink columns; the other tensors met on the way (masks, biases, sinks) are appended to
+    ``side_inputs``, except those computed from the scores themselves (a max subtracted for stability)."""
     if _is(node, SCORES):
         return node
-    if depth > 6 or not _is(node, BETWEEN):
+    joins = _joins_key_columns(node)
+    if depth > 6 or not (joins or _is(node, BETWEEN)):
         return None
-    found = None
-    for arg in node.args:
+    found, path, others = None, None, []
+    for arg in node.args[0] if joins else node.args:
         if found is None and isinstance(arg, fx.Node):
             found = _scores_matmul(arg, side_inputs, depth + 1)
             if found is not None:
+                path = arg
                 continue
         if isinstance(arg, fx.Node):
-            side_inputs.append(arg)
+            others.append(arg)
+    side_inputs += [arg for arg in others if path is None or not _computed_from(arg, path)]
     return found
+
+
+def _computed_from(node: fx.Node, source: fx.Node, depth: int = 3) -> bool:
+    return node is source or depth > 0 and any(_computed_from(arg, source, depth - 1) for arg in node.all_input_nodes)
+
+
+def _joins_key_columns(node) -> bool:
+    """``torch.cat([scores, sinks], dim=-1)``: per-head sink logits joined as extra key columns (gpt-oss)."""
+    if not _is(node, (torch.cat, torch.concat)) or not isinstance(node.args[0], (tuple, list)):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return isinstance(dim, int) and dim % _value(node).dim() == _value(node).dim() - 1
+
+
+def _drops_key_columns(node) -> bool:
+    """``probs[..., :-1]``: the sink columns dropped again after the softmax."""
+    if not _is(node, (operator.getitem,)) or not isinstance(node.args[1], tuple):
+        return False
+    *leading, last = node.args[1]
+    whole = all(index is Ellipsis or index == slice(None) for index in leading)
+    return whole and Ellipsis in leading and isinstance(last, slice) and last.start is None and last.step is None
 
 
 def _values_matmul(node, depth: int = 0):
@@ -237,11 +262,15 @@ def _values_matmul(node, depth: int = 0):
     for user in node.users:
         if _is(user, VALUES) and _probs_operand(user) is node:
             return user
-        if depth < 4 and _is(user, BETWEEN) and user.args[0] is node:
+        if depth < 4 and (_is(user, BETWEEN) or _drops_key_columns(user)) and user.args[0] is node:
             found = _values_matmul(user, depth + 1)
             if found is not None:
                 return found
     return None
+
+
+def _op_names(nodes) -> set[str]:
+    return {getattr(node.target, "__name__", str(node.target)) for node in nodes}
 
 
 def _probs_operand(node):
@@ -329,6 +358,9 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
     side_inputs: list[fx.Node] = []
     scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    if scores_node is not None and values_node is None:
+        return ("a softmax of q @ k^T whose probabilities reach no @ v through scaling, masks, casts or dropout: "
+                f"read by {', '.join(sorted(_op_names(softmax.users)))}")
     if scores_node is None or values_node is None or not isinstance(out, torch.Tensor) or dim is None:
         return None
     scores, values = _operands(scores_node, "scores"), _operands(values_node, "values")

@@ -93,6 +93,9 @@ def model_zoo() -> dict:
         "gemma": (_causal(t.GemmaConfig, t.GemmaForCausalLM, head_dim=16), "causal"),
         "gemma2_softcap": (_causal(t.Gemma2Config, t.Gemma2ForCausalLM, head_dim=16, attn_implementation="eager",
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "causal"),
+        # Learned per-head sink logits joined to the scores (the router's top-k is gathered: issue 21).
+        "gpt_oss_sinks": (_causal(t.GptOssConfig, t.GptOssForCausalLM, head_dim=16, attn_implementation="eager",
+                                  num_local_experts=4, num_experts_per_tok=2), "causal"),
         "phi3": (_causal(t.Phi3Config, t.Phi3ForCausalLM, pad_token_id=0), "causal"),
         "gpt_neox": (_causal(t.GPTNeoXConfig, t.GPTNeoXForCausalLM, num_key_value_heads=None), "causal"),
         "opt": (_causal(t.OPTConfig, t.OPTForCausalLM, intermediate_size=None, num_key_value_heads=None, ffn_dim=128,

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -72,17 +70,21 @@ def tiny_model(model_type: str, impl: str):
 
     defaults = transformers.AutoConfig.for_model(model_type)
     overrides = {key: value for key, value in SMALL.items() if hasattr(defaults, key)}
+    overrides.update({token: 0 for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+                      if isinstance(getattr(defaults, token, None), int) and getattr(defaults, token) >= VOCAB})
     # No randomness: dropout, layer drop and router jitter would draw differently than eager does.
     overrides.update({key: 0.0 for key, value in defaults.to_dict().items()
                       if isinstance(value, float) and ("drop" in key or "jitter" in key)})
     config = transformers.AutoConfig.for_model(model_type, **overrides)
-    for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if isinstance(getattr(config, token, None), int) and getattr(config, token) >= VOCAB:
-            setattr(config, token, 0)
-    config._attn_implementation = impl
-    torch.manual_seed(0)
     model_class = getattr(transformers, causal_lm_types()[model_type])
+    config._attn_implementation = attention_of(model_class, impl)
+    torch.manual_seed(0)
     return model_class(config).float().train()
+
+
+def attention_of(model_class, impl: str) -> str:
+    """``auto``: sdpa where the model supports it, else its eager attention."""
+    return ("sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager") if impl == "auto" else impl
 
 
 def _relative_error(got, want) -> float:
@@ -94,22 +96,20 @@ def _relative_error(got, want) -> float:
     return error / scale if scale > 0 else error
 
 
-def run_rank(rank: int, world_size: int, model_type: str, impl: str, result_path: str) -> None:
+def sweep_row(model_type: str, impl: str) -> Row:
+    """One architecture on this rank; the caller's process group is initialized."""
     import copy
-    from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
 
     from ulysses_compile.backend import ulysses
     from ulysses_compile.errors import UlyssesError
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
     row, started = Row(model_type, impl), time.monotonic()
+    torch.compiler.reset()
     try:
         model = tiny_model(model_type, impl)
+        row.impl = model.config._attn_implementation
         reference = copy.deepcopy(model)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         inputs = {"input_ids": ids, "labels": ids}
@@ -117,7 +117,7 @@ def run_rank(rank: int, world_size: int, model_type: str, impl: str, result_path
         want.loss.backward()
     except Exception as error:  # the harness's tiny config, not the compiler: its own row
         row.outcome, row.reason = "not built here", f"{type(error).__name__}: {error}"[:300]
-        return _write(rank, result_path, row, started)
+        return _timed(row, started)
     reports = []
 
     def backend(gm, example_inputs):
@@ -130,10 +130,10 @@ def run_rank(rank: int, world_size: int, model_type: str, impl: str, result_path
         got.loss.backward()
     except UlyssesError as error:
         row.outcome, row.reason = "refused with an error", f"{type(error).__name__}: {error}"[:300]
-        return _write(rank, result_path, row, started)
+        return _timed(row, started)
     except Exception:
         row.reason = traceback.format_exc()[-600:]
-        return _write(rank, result_path, row, started)
+        return _timed(row, started)
     pairs = [(got.loss, want.loss), (got.logits, want.logits)]
     named = dict(reference.named_parameters())
     pairs += [(p.grad, named[n].grad) for n, p in model.named_parameters()
@@ -142,7 +142,7 @@ def run_rank(rank: int, world_size: int, model_type: str, impl: str, result_path
     _describe(row, reports)
     if not row.worst_error <= RTOL:
         row.outcome = "SILENT MISMATCH"
-    return _write(rank, result_path, row, started)
+    return _timed(row, started)
 
 
 def _describe(row: Row, reports) -> None:
@@ -167,39 +167,62 @@ def _describe(row: Row, reports) -> None:
         row.reason = "replicated, and the report says nothing of why"
 
 
-def _write(rank: int, path: str, row: Row, started: float) -> None:
+def _timed(row: Row, started: float) -> Row:
     row.seconds = round(time.monotonic() - started, 1)
-    if rank == 0:
-        Path(path).write_text(json.dumps(asdict(row)))
+    return row
 
 
-def sweep_one(model_type: str, impl: str, world_size: int) -> Row:
-    """One architecture in its own ``world_size`` processes; a crash or a hang is its row."""
-    with tempfile.TemporaryDirectory() as scratch:
-        result = os.path.join(scratch, "row.json")
-        command = [sys.executable, __file__, "--one", model_type, "--impl", impl, "--world-size", str(world_size),
-                   "--result", result]
-        started = time.monotonic()
-        try:
-            finished = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            return Row(model_type, impl, reason=f"no result within {TIME_LIMIT_S} s", seconds=TIME_LIMIT_S)
-        if not os.path.exists(result):
-            return Row(model_type, impl, reason=(finished.stderr or finished.stdout)[-600:],
-                       seconds=round(time.monotonic() - started, 1))
-        return Row(**json.loads(Path(result).read_text()))
+def _serve(rank: int, world_size: int, jobs: list, out: str) -> None:
+    """Rows in order on this rank, each written to ``out`` by rank 0. A row that ends other than exact
+    ends the process: the ranks may have stopped at different collectives, so none is trusted after."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    for model_type, impl in jobs:
+        row = sweep_row(model_type, impl)
+        if rank == 0:
+            Path(out, f"{model_type}.{impl}.json").write_text(json.dumps(asdict(row)))
+        if "exact" not in row.outcome:
+            os._exit(0)
+    dist.destroy_process_group()
 
 
-def _spawn_one(model_type: str, impl: str, world_size: int, result: str) -> None:
+def sweep(jobs: list, world_size: int, report=print) -> list[Row]:
+    """Every (model type, attention) job at ``world_size`` gloo ranks; a crash or a hang is its row."""
     import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    mp.spawn(run_rank, args=(world_size, model_type, impl, result), nprocs=world_size)
+    rows: dict[tuple, Row] = {}
+    with tempfile.TemporaryDirectory() as out:
+        while len(rows) < len(jobs):
+            pending = [job for job in jobs if job not in rows]
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+            ranks = mp.start_processes(_serve, args=(world_size, pending, out), nprocs=world_size, join=False,
+                                       start_method="spawn")
+            last = time.monotonic()
+            while len(rows) < len(jobs):
+                done = ranks.join(timeout=1)
+                for job in pending:
+                    path = Path(out, f"{job[0]}.{job[1]}.json")
+                    if job not in rows and path.exists():
+                        rows[job], last = Row(**json.loads(path.read_text())), time.monotonic()
+                        report(rows[job])
+                if done or time.monotonic() - last > TIME_LIMIT_S:
+                    break
+            for process in ranks.processes:
+                process.kill()
+            current = next((job for job in pending if job not in rows), None)
+            if current is not None and not Path(out, f"{current[0]}.{current[1]}.json").exists():
+                rows[current] = Row(*current, reason=f"the ranks crashed or hung (no result within {TIME_LIMIT_S} s)")
+                report(rows[current])
+    return [rows[job] for job in jobs]
 
 
 def table(rows: list[Row]) -> str:
@@ -210,33 +233,34 @@ def table(rows: list[Row]) -> str:
     for row in rows:
         gathered = "; ".join(row.gathers)[:160]
         lines.append(f"| {row.model_type} | {row.impl} | {row.outcome} | {row.parallel_sites}/{row.sites} | "
-                     f"{row.all_to_alls} | {gathered} | {row.reason.splitlines()[-1] if row.reason else ''} |"
+                     f"{row.all_to_alls} | {gathered} | {_last_line(row) if row.outcome != OUTCOMES[0] else ''} |"
                      .replace("\n", " "))
     return "\n".join(lines) + "\n"
+
+
+def _last_line(row: Row) -> str:
+    return row.reason.strip().splitlines()[-1][:200] if row.reason.strip() else ""
+
+
+def _print_row(row: Row) -> None:
+    reason = _last_line(row)[:100]
+    print(f"{row.model_type:28} {row.impl:6} {row.outcome:32} {row.parallel_sites}/{row.sites} {row.seconds:6.1f}s "
+          f"{reason}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: every causal LM)")
-    parser.add_argument("--impl", nargs="+", default=["sdpa", "eager"])
+    parser.add_argument("--impl", nargs="+", default=["sdpa", "eager"],
+                        help="attention implementations; auto: sdpa where the model has it, else eager")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--table", help="write the markdown table here")
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        return _spawn_one(args.one, args.impl[0], args.world_size, args.result)
     types = args.only.split(",") if args.only else list(causal_lm_types())
-    rows = []
-    for model_type in types:
-        for impl in args.impl:
-            rows.append(sweep_one(model_type, impl, args.world_size))
-            row = rows[-1]
-            print(f"{row.model_type:28} {row.impl:6} {row.outcome:32} {row.parallel_sites}/{row.sites} "
-                  f"{row.seconds:6.1f}s {row.reason.splitlines()[-1][:100] if row.reason else ''}", flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    rows = sweep([(model_type, impl) for model_type in types for impl in args.impl], args.world_size, _print_row)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(row) for row in rows], indent=1))
     if args.table:
         Path(args.table).write_text(table(rows))
     print(table(rows))

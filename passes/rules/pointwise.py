@@ -24,6 +24,10 @@ from . import Decision, method_or_function_args, mutated_arg, register
 UNARY_FUNCTIONS = (
     torch.abs, torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt, torch.tanh,
     torch.sigmoid, torch.relu, torch.erf, torch.neg, torch.clamp, torch.nan_to_num, torch.square,
+    torch.expm1, torch.log1p, torch.exp2, torch.log2, torch.erfc, torch.reciprocal, torch.sign, torch.floor,
+    torch.ceil, torch.round, torch.trunc, torch.clamp_min, torch.clamp_max, torch.sinh, torch.cosh,
+    torch.atan, torch.asinh, torch.isnan, torch.isinf, torch.isfinite, torch.logit, torch.special.expm1,
+    torch.special.log1p, torch.special.erf,
     operator.neg, operator.pos, operator.invert, operator.not_,
     F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.softplus, F.sigmoid, F.tanh, F.hardtanh,
     F.relu6, F.selu, F.celu, F.logsigmoid, F.hardswish, F.hardsigmoid,
@@ -48,6 +52,8 @@ METHODS = (
     "sigmoid_", "tanh_", "exp_", "abs_", "sqrt_", "rsqrt_", "zero_", "fill_", "copy_", "clamp_min_",
     "clamp_max_", "masked_scatter_", "lerp_", "addcmul_", "addcdiv_",
     "reciprocal", "sign", "softplus", "requires_grad_", "nan_to_num",
+    "expm1", "log1p", "exp2", "log2", "erfc", "floor", "ceil", "round", "trunc", "clamp_min", "clamp_max",
+    "sinh", "cosh", "atan", "isnan", "isinf", "isfinite", "logit", "square_", "erf_",
 )
 
 
