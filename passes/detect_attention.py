@@ -269,6 +269,35 @@ def _values_matmul(node, depth: int = 0):
     return None
 
 
+def _unread_attention(softmax: fx.Node) -> str | None:
+    """A softmax between two products that the forms above do not read (a reshape or an op between
+    them): why it runs replicated, or None when it is no such softmax (a router, a classifier)."""
+    before = _ops_to_product(softmax.args[0], lambda node: node.all_input_nodes, SCORES)
+    after = _ops_to_product(softmax, lambda node: list(node.users), VALUES)
+    if before is None or after is None:
+        return None
+    unread = sorted(op for op in (before | after) - _op_names([softmax]) if not _is_named(op, BETWEEN))
+    return (f"a softmax between two products, but not read as attention: {', '.join(unread) or 'its layout'} "
+            f"between them (heads merged with the batch, a reshape, or an op the recognizer does not know)")
+
+
+def _ops_to_product(node, neighbours, products, depth: int = 5) -> set[str] | None:
+    """The names of the ops on a short path from ``node`` to a product, or None when none is near."""
+    if _is(node, products):
+        return set()
+    if depth == 0 or not isinstance(node, fx.Node):
+        return None
+    for neighbour in neighbours(node):
+        found = _ops_to_product(neighbour, neighbours, products, depth - 1)
+        if found is not None:
+            return found | _op_names([node]) if node.op in ("call_function", "call_method") else found
+    return None
+
+
+def _is_named(name: str, targets) -> bool:
+    return any(getattr(target, "__name__", target) == name for target in targets)
+
+
 def _op_names(nodes) -> set[str]:
     return {getattr(node.target, "__name__", str(node.target)) for node in nodes}
 
@@ -361,6 +390,8 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     if scores_node is not None and values_node is None:
         return ("a softmax of q @ k^T whose probabilities reach no @ v through scaling, masks, casts or dropout: "
                 f"read by {', '.join(sorted(_op_names(softmax.users)))}")
+    if scores_node is None and values_node is None:
+        return _unread_attention(softmax)
     if scores_node is None or values_node is None or not isinstance(out, torch.Tensor) or dim is None:
         return None
     scores, values = _operands(scores_node, "scores"), _operands(values_node, "values")

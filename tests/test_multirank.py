@@ -151,10 +151,10 @@ def zoo_equal_to_eager(rank, world_size, names):
                                                f"{name} logits": (got.logits, want.logits)})
 
 
-def written_in_place_equal_to_eager(rank, world_size, name):
+def parallel_and_equal_to_eager(rank, world_size, name):
     from ulysses_compile.backend import ulysses
 
-    model = {"t5": tiny_t5, "deepseek_v3": tiny_deepseek_v3}[name]()
+    model = {"t5": tiny_t5, "deepseek_v3": tiny_deepseek_v3, "gpt_oss_sinks": model_zoo()["gpt_oss_sinks"][0]}[name]()
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=24)
     inputs = {"input_ids": ids, "labels": token_batch(seq=16, seed=2)[1] if name == "t5" else labels}
@@ -175,6 +175,7 @@ def written_in_place_equal_to_eager(rank, world_size, name):
     # Nothing on the way to attention is gathered (DeepSeek-V3's MoE still is: issue 21).
     assert not any(f.op in ("new_empty", "copy_") for f in report.fallbacks), str(report)
     assert name != "t5" or report.fallbacks == [], str(report)
+    assert name != "gpt_oss_sinks" or {f.op for f in report.fallbacks} == {"topk", "getitem"}, str(report)
     got.loss.backward()
     want = reference(**inputs)
     want.loss.backward()
@@ -188,7 +189,14 @@ def test_models_that_write_inputs_in_place_equal_to_eager(name, world_size):
     """T5's decoder inputs (labels shifted right into new_zeros) and DeepSeek-V3's keys (written into
     new_empty) were silently wrong: each conversion read the tensor before the writes. Every attention
     is parallelized, and DeepSeek-V3's keys are made in blocks, not gathered."""
-    run_ranks(written_in_place_equal_to_eager, world_size, name)
+    run_ranks(parallel_and_equal_to_eager, world_size, name)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_attention_with_sinks_equal_to_eager(world_size):
+    """gpt-oss joins a learned logit per head to the scores and drops its column after the softmax: the
+    sinks are sliced to the rank's heads with the scores, and every attention is parallelized."""
+    run_ranks(parallel_and_equal_to_eager, world_size, "gpt_oss_sinks")
 
 
 @pytest.mark.slow

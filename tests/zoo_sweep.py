@@ -206,21 +206,26 @@ def sweep(jobs: list, world_size: int, report=print) -> list[Row]:
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
             ranks = mp.start_processes(_serve, args=(world_size, pending, out), nprocs=world_size, join=False,
                                        start_method="spawn")
-            last = time.monotonic()
+            last, failure = time.monotonic(), ""
             while len(rows) < len(jobs):
-                done = ranks.join(timeout=1)
+                try:
+                    done = ranks.join(timeout=1)
+                except Exception as error:  # a rank died: it crashed, or a collective timed out
+                    done, failure = True, f"a rank died: {str(error).strip().splitlines()[-1][:200]}"
                 for job in pending:
                     path = Path(out, f"{job[0]}.{job[1]}.json")
                     if job not in rows and path.exists():
                         rows[job], last = Row(**json.loads(path.read_text())), time.monotonic()
                         report(rows[job])
-                if done or time.monotonic() - last > TIME_LIMIT_S:
+                if not done and time.monotonic() - last > TIME_LIMIT_S:
+                    failure = f"no result within {TIME_LIMIT_S} s (a hang)"
+                if done or failure:
                     break
             for process in ranks.processes:
                 process.kill()
             current = next((job for job in pending if job not in rows), None)
-            if current is not None and not Path(out, f"{current[0]}.{current[1]}.json").exists():
-                rows[current] = Row(*current, reason=f"the ranks crashed or hung (no result within {TIME_LIMIT_S} s)")
+            if current is not None and failure:
+                rows[current] = Row(*current, reason=failure)
                 report(rows[current])
     return [rows[job] for job in jobs]
 

@@ -30,7 +30,7 @@ from .context import PassContext
 from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
 from .passes.decompose_multi_head_attention import decompose_multi_head_attention
-from .passes.detect_attention import AttentionSite, detect_attention
+from .passes.detect_attention import AttentionSite, Detection, detect_attention
 from .passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
@@ -56,7 +56,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
-        report.replicated = _why_replicated(detection.sites, ctx.world_size)
+        report.replicated = _why_replicated(detection, ctx.world_size)
         if not report.replicated:
             _split(gm, ctx, detection.sites, report)
     if report.replicated:
@@ -117,10 +117,14 @@ def _run(report: GraphReport, graph_pass, gm: fx.GraphModule, ctx: PassContext, 
     return result
 
 
-def _why_replicated(sites: list[AttentionSite], world_size: int) -> str:
+def _why_replicated(detection: Detection, world_size: int) -> str:
     """A graph without attention, or whose sequences are shorter than the ranks (blocks would be empty,
     and a compiler may drop the collectives of an empty block on some ranks only), is computed whole
     on every rank: exact, and at such lengths nothing is gained by splitting."""
+    sites = detection.sites
+    if not sites and detection.rejected:
+        more = f" (and {len(detection.rejected) - 1} more rejected)" if len(detection.rejected) > 1 else ""
+        return f"no attention in this graph is parallelized: {detection.rejected[0]}{more}"
     if not sites:
         return "no attention in this graph"
     # For a symbolic length this comparison becomes a guard: a shorter call compiles its own graph.
