@@ -357,9 +357,12 @@ def _einsum_operands(node, role: str) -> "_Operands | str":
 def _matmul_operands(node, role: str) -> "_Operands | str":
     """``q @ k.transpose(-2, -1)`` / ``bmm`` / ``baddbmm(bias, q, k^T)`` and ``probs @ v``, on
     ``[.., heads, seq, dim]`` (with bmm, ``[batch * heads, seq, dim]``)."""
-    first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
-    first, second = node.args[first_at], node.args[first_at + 1]
-    slots = {"first": Slot(node, first_at), "second": Slot(node, first_at + 1)}
+    if node.target in (torch.baddbmm, "baddbmm") and "batch1" in node.kwargs:  # bias.baddbmm(batch1=q, batch2=k^T)
+        slots = {"first": Slot(node, "batch1"), "second": Slot(node, "batch2")}
+    else:
+        first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
+        slots = {"first": Slot(node, first_at), "second": Slot(node, first_at + 1)}
+    first, second = slots["first"].read(), slots["second"].read()
     if role == "scores":
         key = _transposed_last_dims(second)
         if key is None:
@@ -371,7 +374,8 @@ def _matmul_operands(node, role: str) -> "_Operands | str":
         return "q, k and v are not [.., heads, seq, head_dim] tensors of one rank"
     axes = {"first": (ndim - 3, ndim - 2), "second": (ndim - 3, ndim - 2),
             "out": (ndim - 3, ndim - 1 if role == "scores" else ndim - 2)}
-    form = "baddbmm" if first_at else "bmm" if node.target in (torch.bmm, "bmm") else "matmul"
+    form = "baddbmm" if node.target in (torch.baddbmm, "baddbmm") else "bmm" if node.target in (torch.bmm, "bmm") \
+        else "matmul"
     return _Operands(first, second, slots, axes, form)
 
 
@@ -398,7 +402,7 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     for found in (scores, values):
         if isinstance(found, str):
             return found
-    if dim % out.dim() != scores.axes["out"][1]:
+    if dim % out.dim() - out.dim() != scores.axes["out"][1] - _value(scores_node).dim():
         return f"the softmax runs over dim {dim}, not over the key positions (dim {scores.axes['out'][1]})"
     query, key, value = scores.first, scores.second, values.second
     layouts = {scores.axes["first"], scores.axes["second"], values.axes["second"], values.axes["out"]}

@@ -37,8 +37,11 @@ SMALL = {
     "attention_window": 16, "embedding_size": 64, "type_vocab_size": 2, "moe_num_experts": 4,
     "num_shared_experts": 1, "moe_topk": 2, "expert_intermediate_size": 32, "mamba_n_heads": 4,
     "mamba_d_head": 16, "mamba_d_state": 16, "state_size": 16, "ssm_state_size": 16, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "index_head_dim": 16,
+    "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_expand": 1,
 }
+# Latent attention: the rotary part is the head_dim the rotary embedding is built for.
+LATENT = {"head_dim": SMALL["qk_rope_head_dim"], "qk_head_dim": SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"]}
 # What the row says when a model runs replicated or refuses, beyond the report's own words.
 OUTCOMES = ("parallel, exact", "partly parallel, exact", "replicated with a reason, exact", "refused with an error",
             "not built here", "FAILS", "SILENT MISMATCH")
@@ -69,7 +72,8 @@ def tiny_model(model_type: str, impl: str):
     import transformers
 
     defaults = transformers.AutoConfig.for_model(model_type)
-    overrides = {key: value for key, value in SMALL.items() if hasattr(defaults, key)}
+    small = {**SMALL, **LATENT} if hasattr(defaults, "qk_rope_head_dim") else SMALL
+    overrides = {key: value for key, value in small.items() if hasattr(defaults, key)}
     overrides.update({token: 0 for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
                       if isinstance(getattr(defaults, token, None), int) and getattr(defaults, token) >= VOCAB})
     # No randomness: dropout, layer drop and router jitter would draw differently than eager does.
