@@ -118,7 +118,7 @@ def sweep_row(model_type: str, impl: str) -> Row:
         row.impl = model.config._attn_implementation
         reference = copy.deepcopy(model)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        inputs = {"input_ids": ids, "labels": ids}
+        inputs = {"input_ids": ids, "labels": ids, "use_cache": False}  # a training step keeps no cache
         want = reference(**inputs)
         want.loss.backward()
     except Exception as error:  # the harness's tiny config, not the compiler: its own row
