@@ -47,6 +47,31 @@ class ManualAttention(nn.Module):
         return self.c_proj(y)
 
 
+class ComplexRotaryAttention(nn.Module):
+    """Rotary embedding by complex multiplication, as torchtitan's and gpt-fast's Llamas write it: a
+    registered complex ``freqs_cis`` table, q and k viewed as complex pairs in ``[B, S, H, D/2]``."""
+
+    def __init__(self, max_len: int = 64):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        half = DIM // HEADS // 2
+        angles = torch.outer(torch.arange(max_len).float(), 1.0 / 10000 ** (torch.arange(half).float() / half))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    @staticmethod
+    def rotate(x, freqs_cis):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs_cis.view(1, pairs.shape[1], 1, pairs.shape[-1])).flatten(3).type_as(x)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, HEADS, DIM // HEADS) for w in (self.wq, self.wk, self.wv))
+        freqs_cis = self.freqs_cis[:s]
+        q, k = self.rotate(q, freqs_cis), self.rotate(k, freqs_cis)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, DIM))
+
+
 class Probe(nn.Module):
     """embedding -> attention -> ``op`` -> head; ``op`` is what the probe tests."""
 
@@ -191,6 +216,7 @@ PROBES = {
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),
+    "complex_rotary": lambda: Probe(nn.Identity(), attention=ComplexRotaryAttention),
     "roll_shift": lambda: Probe(_roll_shift),
     "causal_conv1d": lambda: Probe(_causal_conv1d),
     "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),

@@ -332,3 +332,16 @@ def test_a_causal_mask_built_from_positions_alone_becomes_is_causal(fake_group):
     (gm,) = rewritten_graphs(BandedAttention(), (torch.randn(2, 32, 32),))
     ((causal, mask),) = _sdpa_masks(gm)
     assert causal is None and mask is not None
+
+
+def test_complex_rotary_embedding_keeps_the_sequence_sharded(fake_group):
+    """torchtitan's and gpt-fast's RoPE: view_as_complex, a complex product with a sliced freqs_cis
+    table, view_as_real. q and k are rotated on the rank's block, then turned to heads."""
+    from op_probes import PROBES
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES["complex_rotary"](), (torch.randint(0, 32, (2, 15)),))
+    report = gm.meta["ulysses_report"]
+    assert len(report.attention_sites) == 1 and "parallelized" in report.attention_sites[0].decision
+    assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
+    assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output, gathered by default

@@ -214,7 +214,13 @@ def _squeeze(node, dim, in_value, out):
     return dim - sum(1 for d in squeezed if d < dim)
 
 
+def _complex_view(node, dim, in_value, out):
+    """``view_as_complex`` drops the trailing pair dim, ``view_as_real`` adds it: other dims stay."""
+    return dim if dim < min(in_value.dim(), out.dim()) else None
+
+
 register(*TRANSPOSES)(_dim_map_rule(_transpose))
+register("view_as_complex", torch.view_as_complex, "view_as_real", torch.view_as_real)(_dim_map_rule(_complex_view))
 register("permute", torch.permute)(_dim_map_rule(_permute))
 register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
 register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
