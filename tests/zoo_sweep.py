@@ -44,7 +44,7 @@ SMALL = {
 LATENT = {"head_dim": SMALL["qk_rope_head_dim"], "qk_head_dim": SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"]}
 # What the row says when a model runs replicated or refuses, beyond the report's own words.
 OUTCOMES = ("parallel, exact", "partly parallel, exact", "replicated with a reason, exact", "refused with an error",
-            "not built here", "FAILS", "SILENT MISMATCH")
+            "not built here", "torch.compile fails without ulysses", "FAILS", "SILENT MISMATCH")
 
 
 @dataclass
@@ -137,8 +137,10 @@ def sweep_row(model_type: str, impl: str) -> Row:
     except UlyssesError as error:
         row.outcome, row.reason = "refused with an error", f"{type(error).__name__}: {error}"[:300]
         return _timed(row, started)
-    except Exception:
-        row.reason = traceback.format_exc()[-600:]
+    except Exception as error:
+        row.reason = f"{type(error).__name__}: {str(error).strip()[:300]} ... {traceback.format_exc()[-300:]}"
+        if not _compiles_without_ulysses(reference, inputs):
+            row.outcome = "torch.compile fails without ulysses"
         return _timed(row, started)
     pairs = [(got.loss, want.loss), (got.logits, want.logits)]
     named = dict(reference.named_parameters())
@@ -149,6 +151,17 @@ def sweep_row(model_type: str, impl: str) -> Row:
     if not row.worst_error <= RTOL:
         row.outcome = "SILENT MISMATCH"
     return _timed(row, started)
+
+
+def _compiles_without_ulysses(model, inputs) -> bool:
+    import torch
+
+    torch.compiler.reset()
+    try:
+        torch.compile(model, backend="eager")(**inputs).loss.backward()
+    except Exception:
+        return False
+    return True
 
 
 def _describe(row: Row, reports) -> None:
