@@ -41,7 +41,8 @@ SMALL = {
     "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_expand": 1,
 }
 # Latent attention: the rotary part is the head_dim the rotary embedding is built for.
-LATENT = {"head_dim": SMALL["qk_rope_head_dim"], "qk_head_dim": SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"]}
+LATENT = {"num_key_value_heads": SMALL["num_attention_heads"], "head_dim": SMALL["qk_rope_head_dim"],
+          "qk_head_dim": SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"]}
 # What the row says when a model runs replicated or refuses, beyond the report's own words.
 OUTCOMES = ("parallel, exact", "partly parallel, exact", "replicated with a reason, exact", "refused with an error",
             "not built here", "torch.compile fails without ulysses", "FAILS", "SILENT MISMATCH")
