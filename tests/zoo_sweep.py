@@ -38,7 +38,8 @@ SMALL = {
     "num_shared_experts": 1, "moe_topk": 2, "expert_intermediate_size": 32, "mamba_n_heads": 4,
     "mamba_d_head": 16, "mamba_d_state": 16, "state_size": 16, "ssm_state_size": 16, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "index_head_dim": 16,
-    "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_expand": 1,
+    "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2,
+    "attn_layer_offset": 1, "mamba_expand": 1,
 }
 # Latent attention: the rotary part is the head_dim the rotary embedding is built for.
 LATENT = {"num_key_value_heads": SMALL["num_attention_heads"], "head_dim": SMALL["qk_rope_head_dim"],
@@ -149,8 +150,8 @@ def sweep_row(model_type: str, impl: str) -> Row:
               if p.grad is not None or named[n].grad is not None]
     # A parameter whose output nobody reads gets a zero gradient from torch.compile itself where eager
     # leaves None (BigBird's pooler): None is compared as zeros.
-    row.worst_error = max(_relative_error(torch.zeros_like(w) if g is None else g, torch.zeros_like(g) if w is None else w)
-                          for g, w in pairs)
+    row.worst_error = max(_relative_error(torch.zeros_like(w) if g is None else g,
+                                          torch.zeros_like(g) if w is None else w) for g, w in pairs)
     _describe(row, reports)
     if not row.worst_error <= RTOL:
         row.outcome = "SILENT MISMATCH"
