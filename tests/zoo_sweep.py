@@ -39,7 +39,7 @@ SMALL = {
     "mamba_d_head": 16, "mamba_d_state": 16, "state_size": 16, "ssm_state_size": 16, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "index_head_dim": 16,
     "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2,
-    "attn_layer_offset": 1, "mamba_expand": 1,
+    "attn_layer_offset": 1, "mamba_expand": 1, "rotary_dim": 8,
 }
 # Latent attention: the rotary part is the head_dim the rotary embedding is built for.
 LATENT = {"num_key_value_heads": SMALL["num_attention_heads"], "head_dim": SMALL["qk_rope_head_dim"],
