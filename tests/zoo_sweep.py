@@ -22,6 +22,7 @@ from pathlib import Path
 
 VOCAB, SEQ, BATCH = 128, 24, 2
 TIME_LIMIT_S = 300
+MAX_PARAMETERS = 2_000_000
 RTOL = 1e-4
 
 SMALL = {
@@ -84,8 +85,14 @@ def tiny_model(model_type: str, impl: str):
     config = transformers.AutoConfig.for_model(model_type, **overrides)
     model_class = getattr(transformers, causal_lm_types()[model_type])
     config._attn_implementation = attention_of(model_class, impl)
+    nested = [key for key, value in vars(config).items() if isinstance(value, transformers.PretrainedConfig)]
+    if nested:
+        raise ValueError(f"sub-configs ({', '.join(nested)}) are not shrunk here")
     torch.manual_seed(0)
-    return model_class(config).float().train()
+    model = model_class(config).float().train()
+    if sum(p.numel() for p in model.parameters()) > MAX_PARAMETERS:
+        raise ValueError(f"the shrunk config still has {sum(p.numel() for p in model.parameters()):,} parameters")
+    return model
 
 
 def attention_of(model_class, impl: str) -> str:
