@@ -224,7 +224,7 @@ def _scores_matmul(node, side_inputs: list, depth: int = 0):
     if depth > 6 or not (joins or _is(node, BETWEEN)):
         return None
     found, path, others = None, None, []
-    for arg in node.args[0] if joins else node.args:
+    for arg in _tensors_joined(node) if joins else node.args:
         if found is None and isinstance(arg, fx.Node):
             found = _scores_matmul(arg, side_inputs, depth + 1)
             if found is not None:
@@ -242,10 +242,14 @@ def _computed_from(node: fx.Node, source: fx.Node, depth: int = 3) -> bool:
 
 def _joins_key_columns(node) -> bool:
     """``torch.cat([scores, sinks], dim=-1)``: per-head sink logits joined as extra key columns (gpt-oss)."""
-    if not _is(node, (torch.cat, torch.concat)) or not isinstance(node.args[0], (tuple, list)):
+    if not _is(node, (torch.cat, torch.concat)) or not isinstance(_tensors_joined(node), (tuple, list)):
         return False
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return isinstance(dim, int) and dim % _value(node).dim() == _value(node).dim() - 1
+
+
+def _tensors_joined(node):
+    return node.args[0] if node.args else node.kwargs.get("tensors")
 
 
 def _drops_key_columns(node) -> bool:
@@ -357,11 +361,12 @@ def _einsum_operands(node, role: str) -> "_Operands | str":
 def _matmul_operands(node, role: str) -> "_Operands | str":
     """``q @ k.transpose(-2, -1)`` / ``bmm`` / ``baddbmm(bias, q, k^T)`` and ``probs @ v``, on
     ``[.., heads, seq, dim]`` (with bmm, ``[batch * heads, seq, dim]``)."""
-    if node.target in (torch.baddbmm, "baddbmm") and "batch1" in node.kwargs:  # bias.baddbmm(batch1=q, batch2=k^T)
-        slots = {"first": Slot(node, "batch1"), "second": Slot(node, "batch2")}
-    else:
-        first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
-        slots = {"first": Slot(node, first_at), "second": Slot(node, first_at + 1)}
+    first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
+    # bias.baddbmm(batch1=q, batch2=k^T), as Bloom writes it, and any mix of positions and keywords
+    slots = {role: Slot(node, at) if len(node.args) > at else Slot(node, keyword)
+             for role, at, keyword in (("first", first_at, "batch1"), ("second", first_at + 1, "batch2"))}
+    if any(isinstance(slot.argument, str) and slot.argument not in node.kwargs for slot in slots.values()):
+        return "a product whose operands are not both given"
     first, second = slots["first"].read(), slots["second"].read()
     if role == "scores":
         key = _transposed_last_dims(second)
@@ -414,7 +419,7 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
         return "q, k and v have different numbers of heads"
     probs = values.first
     if scores.form == "baddbmm":
-        side_inputs.append(scores_node.args[0])
+        side_inputs.append(scores_node.args[0] if scores_node.args else scores_node.kwargs["input"])
     region = {scores.slots["second"].consumer: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
               values_node: (head_axis, {probs: values.axes["first"][0]})}
     slots = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}

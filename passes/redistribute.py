@@ -206,8 +206,8 @@ def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
                 new = redistributor.synced_for_local_use(new, before, version)
             if new is not arg:
                 node.replace_input_with(arg, new)
-                if arg is written or (before is not None and may_alias(node)):
-                    # A write into it, or a view of it that a write may go through, lands on the conversion.
+                if arg is written or (before is not None and may_alias(node) and completed(have) != have):
+                    # A write into it, or into a view of its completion, lands on the conversion.
                     redistributor.written_through(arg, new, want)
         writes.record(written)
     return gathered
