@@ -290,13 +290,22 @@ def main() -> None:
     parser.add_argument("--impl", nargs="+", default=["sdpa", "eager"],
                         help="attention implementations; auto: sdpa where the model has it, else eager")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--start-at", help="skip the model types before this one (alphabetically)")
     parser.add_argument("--table", help="write the markdown table here")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     types = args.only.split(",") if args.only else list(causal_lm_types())
-    rows = sweep([(model_type, impl) for model_type in types for impl in args.impl], args.world_size, _print_row)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(row) for row in rows], indent=1))
+    if args.start_at:
+        types = [model_type for model_type in types if model_type >= args.start_at]
+    done: list[Row] = []
+
+    def report(row: Row) -> None:
+        _print_row(row)
+        done.append(row)
+        if args.json:  # after every row: a sweep stopped half-way keeps what it found
+            Path(args.json).write_text(json.dumps([asdict(row) for row in done], indent=1))
+
+    rows = sweep([(model_type, impl) for model_type in types for impl in args.impl], args.world_size, report)
     if args.table:
         Path(args.table).write_text(table(rows))
     print(table(rows))
