@@ -217,26 +217,24 @@ def _mark_output(graph: fx.Graph, site: "AttentionSite") -> fx.Node:
 def _scores_matmul(node, side_inputs: list, depth: int = 0):
     """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales, masks and
     joined sink columns; the other tensors met on the way (masks, biases, sinks) are appended to
-    ``side_inputs``, except those computed from the scores themselves (a max subtracted for stability)."""
+    ``side_inputs``."""
     if _is(node, SCORES):
         return node
     joins = _joins_key_columns(node)
     if depth > 6 or not (joins or _is(node, BETWEEN)):
         return None
-    found, path, others = None, None, []
+    found = None
     for arg in _tensors_joined(node) if joins else node.args:
         if found is None and isinstance(arg, fx.Node):
             found = _scores_matmul(arg, side_inputs, depth + 1)
             if found is not None:
-                path = arg
                 continue
         if isinstance(arg, fx.Node):
-            others.append(arg)
-    side_inputs += [arg for arg in others if path is None or not _computed_from(arg, path)]
+            side_inputs.append(arg)
     return found
 
 
-def _computed_from(node: fx.Node, source: fx.Node, depth: int = 3) -> bool:
+def _computed_from(node: fx.Node, source: fx.Node, depth: int = 8) -> bool:
     return node is source or depth > 0 and any(_computed_from(arg, source, depth - 1) for arg in node.all_input_nodes)
 
 
@@ -396,6 +394,8 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
     side_inputs: list[fx.Node] = []
     scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    # A max subtracted for stability is computed from the scores: not a mask or bias entering the site.
+    side_inputs = [arg for arg in side_inputs if scores_node is None or not _computed_from(arg, scores_node)]
     if scores_node is not None and values_node is None:
         return ("a softmax of q @ k^T whose probabilities reach no @ v through scaling, masks, casts or dropout: "
                 f"read by {', '.join(sorted(_op_names(softmax.users)))}")

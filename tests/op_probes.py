@@ -72,6 +72,28 @@ class ComplexRotaryAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, s, DIM))
 
 
+class SinkAttention(nn.Module):
+    """gpt-oss's eager attention written plainly: a learned logit per head joined to the scores as one
+    more key column, the row max subtracted (cast back to the scores' dtype), the column dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.sinks = nn.Parameter(torch.randn(HEADS))
+        self.register_buffer("causal", torch.tril(torch.ones(64, 64, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, HEADS, d // HEADS).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // HEADS)
+        scores = scores.masked_fill(~self.causal[:s, :s], float("-inf"))
+        joined = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)], dim=-1)
+        joined = joined - joined.max(dim=-1, keepdim=True).values.to(joined.dtype)
+        probs = F.softmax(joined, dim=-1)[..., :-1]
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
 class Probe(nn.Module):
     """embedding -> attention -> ``op`` -> head; ``op`` is what the probe tests."""
 
@@ -217,6 +239,7 @@ PROBES = {
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),
     "complex_rotary": lambda: Probe(nn.Identity(), attention=ComplexRotaryAttention),
+    "attention_sinks": lambda: Probe(nn.Identity(), attention=SinkAttention),
     "roll_shift": lambda: Probe(_roll_shift),
     "causal_conv1d": lambda: Probe(_causal_conv1d),
     "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),

@@ -345,3 +345,21 @@ def test_complex_rotary_embedding_keeps_the_sequence_sharded(fake_group):
     assert len(report.attention_sites) == 1 and "parallelized" in report.attention_sites[0].decision
     assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
     assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output, gathered by default
+
+
+def test_attention_with_sinks_is_parallel_from_the_embedding_on(fake_group):
+    """The max subtracted from the joined scores is computed from them: it is no mask entering the
+    site, so what feeds q, k and v (the embedding) stays sequence-sharded, and the sinks follow the heads."""
+    from op_probes import PROBES
+
+    from ulysses_compile.collectives import scatter_seq
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES["attention_sinks"](), (torch.randint(0, 32, (2, 15)),))
+    report = gm.meta["ulysses_report"]
+    assert len(report.attention_sites) == 1 and "parallelized" in report.attention_sites[0].decision
+    (embedding,) = calls(gm, F.embedding)
+    assert embedding.args[0].target is scatter_seq and embedding.args[0].args[0].op == "placeholder"
+    # the only other slice: the sinks, to the rank's heads
+    assert [node.args[0].target for node in calls(gm, scatter_seq)][1:] == ["expand"]
+    assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1 and report.fallbacks == []
