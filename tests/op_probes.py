@@ -202,6 +202,11 @@ class RightShifted(Probe):
         return super().forward(flat)
 
 
+def _interleaved_repeat(h):
+    half = torch.tanh(h[..., : h.shape[-1] // 2])
+    return h * half.repeat_interleave(2, dim=-1)  # interleaved RoPE's cos/sin (Helium, GLM, Cohere)
+
+
 def _roll_shift(h):
     return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
 
@@ -238,6 +243,7 @@ PROBES = {
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),
+    "repeat_interleave_features": lambda: Probe(_interleaved_repeat),
     "complex_rotary": lambda: Probe(nn.Identity(), attention=ComplexRotaryAttention),
     "attention_sinks": lambda: Probe(nn.Identity(), attention=SinkAttention),
     "roll_shift": lambda: Probe(_roll_shift),

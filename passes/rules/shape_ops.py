@@ -214,6 +214,15 @@ def _squeeze(node, dim, in_value, out):
     return dim - sum(1 for d in squeezed if d < dim)
 
 
+def _repeat_interleave(node, dim, in_value, out):
+    """``cos.repeat_interleave(2, dim=-1)`` (interleaved RoPE): each element repeated along another dim."""
+    args = method_or_function_args(node, ("input", "repeats", "dim"))
+    along = args.get("dim")
+    if not isinstance(args.get("repeats"), int) or along is None:
+        return None
+    return dim if normalize_dim(along, in_value.dim()) != dim and in_value.dim() == out.dim() else None
+
+
 def _complex_view(node, dim, in_value, out):
     """``view_as_complex`` drops the trailing pair dim, ``view_as_real`` adds it: other dims stay."""
     return dim if dim < min(in_value.dim(), out.dim()) else None
@@ -221,6 +230,7 @@ def _complex_view(node, dim, in_value, out):
 
 register(*TRANSPOSES)(_dim_map_rule(_transpose))
 register("view_as_complex", torch.view_as_complex, "view_as_real", torch.view_as_real)(_dim_map_rule(_complex_view))
+register("repeat_interleave", torch.repeat_interleave)(_dim_map_rule(_repeat_interleave))
 register("permute", torch.permute)(_dim_map_rule(_permute))
 register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
 register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
