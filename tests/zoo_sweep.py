@@ -170,7 +170,7 @@ def _compiles_without_ulysses(model, inputs) -> bool:
 
     torch.compiler.reset()
     try:
-        torch.compile(model, backend="eager")(**inputs).loss.backward()
+        torch.compile(model, backend="aot_eager")(**inputs).loss.backward()
     except Exception:
         return False
     return True
