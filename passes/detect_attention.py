@@ -399,7 +399,7 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
     if scores_node is not None and values_node is None:
         return ("a softmax of q @ k^T whose probabilities reach no @ v through scaling, masks, casts or dropout: "
                 f"read by {', '.join(sorted(_op_names(softmax.users)))}")
-    if scores_node is None and values_node is None:
+    if scores_node is None:
         return _unread_attention(softmax)
     if scores_node is None or values_node is None or not isinstance(out, torch.Tensor) or dim is None:
         return None
