@@ -401,7 +401,7 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
                 f"read by {', '.join(sorted(_op_names(softmax.users)))}")
     if scores_node is None:
         return _unread_attention(softmax)
-    if scores_node is None or values_node is None or not isinstance(out, torch.Tensor) or dim is None:
+    if not isinstance(out, torch.Tensor) or dim is None:
         return None
     scores, values = _operands(scores_node, "scores"), _operands(values_node, "values")
     for found in (scores, values):
