@@ -19,3 +19,5 @@ def test_zoo_slice_is_never_silently_wrong():
     assert not wrong, wrong
     assert {row.model_type for row in rows if row.outcome == "parallel, exact"} >= PARALLEL, rows
     assert all(row.parallel_sites == row.sites for row in rows if row.model_type != "bloom"), rows
+    # each parallel site turns its query to heads and its output back, at least, by all-to-all
+    assert all(row.all_to_alls >= 2 * row.sites for row in rows if row.parallel_sites), rows
