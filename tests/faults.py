@@ -1,17 +1,18 @@
 """A deliberate bug, for tests of the checks against eager (``verify``): the all-to-all after each
-attention replaced by a local stand-in of the same shape, so outputs are wrong while every shape holds."""
+attention followed by a shift along the sequence, so outputs are wrong while every shape holds."""
 
 from __future__ import annotations
 
 import contextlib
 
 import ulysses_compile.passes.insert_all_to_all as insert_all_to_all
+from ulysses_compile.collectives import heads_to_seq
 
 
 def skipped_heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
-    """This rank's sequence block of its own heads, repeated over the heads (even splits)."""
-    block = x.shape[seq_dim] // world_size
-    return x.narrow(seq_dim, rank * block, block).repeat_interleave(world_size, dim=head_dim)
+    """The all-to-all's result rolled by one position along the sequence: the right shape, at any length
+    (also a symbolic one), with the wrong token in every position."""
+    return heads_to_seq(x, seq_dim, head_dim, heads, rank, world_size, group_name).roll(1, seq_dim)
 
 
 def drop_output_all_to_all() -> None:

@@ -135,6 +135,55 @@ def test_verify_option_accepts_a_correct_program_and_rejects_a_broken_one(output
     run_ranks(verify_checks_against_eager, 2, outputs)
 
 
+def short_verify_checks_against_eager(rank, world_size):
+    """``verify="short"`` runs the compiled program and eager once on a short sequence before the first
+    call (S = 37 -> 5 at P = 2, 7 at P = 4: the same remainder, at least 2P): a correct program passes,
+    with every output and parameter gradient compared and the call itself equal to eager; the fault
+    (a shift after each output all-to-all) is caught at the short length."""
+    from faults import output_all_to_all_dropped
+    from graphs import calls
+    from ulysses_compile.collectives import heads_to_seq, seq_to_heads
+    from ulysses_compile.backend import ulysses
+    from ulysses_compile import VerificationError
+
+    options = {"compiler": "aot_eager", "verify": "short"}
+    ids, labels = token_batch(seq=37)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    short = 2 * world_size + 37 % world_size
+
+    def compiled_keeping_graphs(model, **compile_kwargs):
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return ulysses(gm, example_inputs, options=options)
+
+        return torch.compile(model, backend=capture, **compile_kwargs), graphs
+
+    model = tiny_llama(layers=1)
+    reference = copy.deepcopy(model)
+    compiled, graphs = compiled_keeping_graphs(model, dynamic=True)
+    got, want = compiled(**kwargs), reference(**kwargs)
+    got.loss.backward()
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+    gm = graphs[-1]  # with dynamic=True Dynamo traces the frame twice (a float it makes symbolic, then not)
+    report = gm.meta["ulysses_report"]
+    assert len(report.attention_sites) == 1 and len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
+    parameters = len(list(model.parameters()))
+    assert report.notes == [f"verify='short': at sequence length {short} (this call 37) the compiled program's 2 "
+                            f"outputs and {parameters} parameter gradients match eager"], report.notes
+
+    torch.compiler.reset()
+    with output_all_to_all_dropped(), pytest.raises(VerificationError, match=f"short sequence length {short} "):
+        torch.compile(tiny_llama(layers=1), backend="ulysses", dynamic=True, options=options)(**kwargs)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_verify_short_checks_a_short_sequence(world_size):
+    run_ranks(short_verify_checks_against_eager, world_size)
+
+
 def zoo_equal_to_eager(rank, world_size, names):
     zoo = model_zoo()
     for name in names:

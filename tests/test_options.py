@@ -36,7 +36,7 @@ def test_unknown_option_lists_the_valid_ones():
     [
         ({"compiler": "tvm"}, "compiler='tvm': expected one of ['inductor', 'aot_eager', 'eager']"),
         ({"outputs": "scatter"}, "outputs='scatter': expected one of ['gather', 'local']"),
-        ({"verify": "yes"}, "verify='yes': expected True or False"),
+        ({"verify": "yes"}, "verify='yes': expected True, False or 'short'"),
         ({"group": 3}, "expected a torch.distributed.ProcessGroup"),
     ],
 )
@@ -97,3 +97,29 @@ def test_mesh_needs_an_sp_dim(fake_group):
     with pytest.raises(OptionsError) as raised:
         Options.parse({"mesh": init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))})
     assert "expected a dim named 'sp'" in str(raised.value)
+
+
+def test_verify_short_needs_a_symbolic_length_and_reports_random_draws(fake_group):
+    """``verify="short"`` runs the compiled program at another length, so a graph compiled for one length
+    is refused with the fix; a graph that draws random numbers (dropout while training), which the
+    compiled program and eager draw differently, runs unchecked with the reason in its report."""
+    from ulysses_compile.backend import ulysses
+
+    fake_group(2)
+    options = {"compiler": "eager", "verify": "short"}
+    model, args, kwargs = nanogpt.make(seq_len=37, n_layer=1)
+    with pytest.raises(Exception, match=r"compiled for sequence length 37 only .*dynamic=True"):
+        torch.compile(model, backend="ulysses", options=options)(*args, **kwargs)
+    torch.compiler.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return ulysses(gm, example_inputs, options=options)
+
+    model, args, kwargs = nanogpt.make(seq_len=37, n_layer=1, dropout=0.1)
+    torch.compile(model, backend=capture, dynamic=True)(*args, **kwargs)
+    report = graphs[-1].meta["ulysses_report"]
+    assert report.attention_sites and report.notes == [
+        "verify='short' skipped: the graph draws random numbers (dropout p=0.1 at transformer.drop), which the "
+        "compiled program and eager draw differently; verify with dropout off (model.eval())"], report.notes

@@ -23,7 +23,7 @@ from .errors import UnsupportedError
 from .options import Options
 from .pipeline import run_pipeline
 from .report import GraphReport
-from .verify import verified
+from .verify import verified, verified_short
 
 log = logging.getLogger("ulysses_compile")
 
@@ -47,7 +47,9 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
     check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
-    if original is not None:
+    if opts.verify == "short":
+        compiled = verified_short(compiled, original, gm, ctx, example_inputs)
+    elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
 

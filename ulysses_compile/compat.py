@@ -40,6 +40,7 @@ __all__ = [
     "op_name",
     "parameter_slots",
     "recompute_region",
+    "shape_guards",
     "symbol_hints",
     "symbolic_expr",
     "symbolic_hint",
@@ -114,6 +115,12 @@ def symbolic_hint(size: torch.SymInt) -> int:
 def symbol_hints(size: torch.SymInt, symbols) -> dict:
     """The values of size symbols in the call being compiled, from ``size``'s shape environment."""
     return {symbol: size.node.shape_env.backed_var_to_val[symbol] for symbol in symbols}
+
+
+def shape_guards(size: torch.SymInt) -> list:
+    """The guards (sympy booleans) of the shape environment ``size`` belongs to, those that torch added
+    while it traced and compiled the graph."""
+    return [guard.expr for guard in size.node.shape_env.guards]
 
 
 def tag_recompute(node, policy, region: int) -> None:

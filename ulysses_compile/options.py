@@ -20,7 +20,7 @@ class Options:
     mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp" (an "sp" of 1: DP only)
     outputs: str = "gather"  # "gather": sequence-sharded outputs are all-gathered; "local": kept sharded
     compiler: str = "inductor"
-    verify: bool = False  # compare each graph's first call against eager execution
+    verify: bool | str = False  # True: each graph's first call against eager; "short": the same on a short sequence
     dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here
     check_inputs: bool = True  # every call, compare the values of the user's inputs across the group
 
@@ -43,9 +43,10 @@ class Options:
             raise OptionsError(f"option compiler={self.compiler!r}: expected one of {list(COMPILERS)}")
         if self.outputs not in OUTPUT_MODES:
             raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
-        for name in ("verify", "check_inputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise OptionsError(f"option {name}={getattr(self, name)!r}: expected True or False")
+        if not isinstance(self.check_inputs, bool):
+            raise OptionsError(f"option check_inputs={self.check_inputs!r}: expected True or False")
+        if self.verify not in (False, True, "short") or not isinstance(self.verify, (bool, str)):
+            raise OptionsError(f"option verify={self.verify!r}: expected True, False or 'short'")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise OptionsError(f"option dump_dir={self.dump_dir!r}: expected a folder path")
         if self.group is dist.GroupMember.NON_GROUP_MEMBER:

@@ -121,7 +121,9 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
     model._ulysses_zero_stage = zero_stage
-    compiled = torch.compile(model, backend="ulysses", options=options)
+    # verify="short" runs the program at a short length: the length must be symbolic from the first call.
+    dynamic = True if options.get("verify") == "short" else None
+    compiled = torch.compile(model, backend="ulysses", dynamic=dynamic, options=options)
     if places:
         shards = _LocalShards(places, zero_group.size())
         compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))
