@@ -151,12 +151,12 @@ def short_verify_checks_against_eager(rank, world_size):
     kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
     short = 2 * world_size + 37 % world_size
 
-    def compiled_keeping_graphs(model, **compile_kwargs):
+    def compiled_keeping_graphs(model, mesh=None, **compile_kwargs):
         graphs = []
 
         def capture(gm, example_inputs):
             graphs.append(gm)
-            return ulysses(gm, example_inputs, options=options)
+            return ulysses(gm, example_inputs, options={**options, "mesh": mesh})
 
         return torch.compile(model, backend=capture, **compile_kwargs), graphs
 
@@ -172,7 +172,26 @@ def short_verify_checks_against_eager(rank, world_size):
     assert len(report.attention_sites) == 1 and len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
     parameters = len(list(model.parameters()))
     assert report.notes == [f"verify='short': at sequence length {short} (this call 37) the compiled program's 2 "
-                            f"outputs and {parameters} parameter gradients match eager"], report.notes
+                            f"outputs and {parameters} gradients match eager"], report.notes
+
+    torch.compiler.reset()  # plain PyTorch, whose dropout of 0 dynamic=True hands the graph as a tensor
+    model, args, targets = nanogpt.make(seq_len=37, n_layer=1)
+    compiled, graphs = compiled_keeping_graphs(model, dynamic=True)
+    compiled(*args, **targets)[1].backward()
+    (note,) = graphs[-1].meta["ulysses_report"].notes
+    assert note.startswith(f"verify='short': at sequence length {short} (this call 37) "), note
+
+    if world_size == 4:  # two data-parallel replicas of two sequence ranks, each replica its own batch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.compiler.reset()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+        model, args, targets = nanogpt.make(seq_len=37, n_layer=1)
+        replica_args, replica_targets = nanogpt.make(seq_len=37, n_layer=1, seed=rank // 2)[1:]
+        compiled, graphs = compiled_keeping_graphs(model, dynamic=True, mesh=mesh)
+        compiled(*replica_args, **replica_targets)[1].backward()
+        (note,) = graphs[-1].meta["ulysses_report"].notes
+        assert note.startswith("verify='short': at sequence length 5 (this call 37) "), note
 
     torch.compiler.reset()
     with output_all_to_all_dropped(), pytest.raises(VerificationError, match=f"short sequence length {short} "):

@@ -123,3 +123,19 @@ def test_verify_short_needs_a_symbolic_length_and_reports_random_draws(fake_grou
     assert report.attention_sites and report.notes == [
         "verify='short' skipped: the graph draws random numbers (dropout p=0.1 at transformer.drop), which the "
         "compiled program and eager draw differently; verify with dropout off (model.eval())"], report.notes
+
+    class CheckpointedDropout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            from op_probes import Attention
+
+            self.attn = Attention()
+
+        def forward(self, x):
+            block = lambda h: torch.nn.functional.dropout(self.attn(h), p=0.25, training=True)  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+    torch.compiler.reset()
+    torch.compile(CheckpointedDropout(), backend=capture, dynamic=True)(torch.randn(2, 37, 16))
+    (note,) = graphs[-1].meta["ulysses_report"].notes
+    assert note.startswith("verify='short' skipped: the graph draws random numbers (dropout p=0.25 at "), note

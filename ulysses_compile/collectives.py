@@ -153,6 +153,11 @@ class _ReduceGrad(torch.autograd.Function):
         return (total if ctx.divisor == 1 else total / ctx.divisor), None, None
 
 
+def mean_over_group(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """The mean of ``x`` over a group's ranks (outside autograd)."""
+    return _all_reduce_sum(x, group_name) / group_size
+
+
 def average_grad(x, group_name: str, group_size: int):
     """Identity whose backward averages the gradient over the data-parallel replicas (DDP's rule)."""
     return _ReduceGrad.apply(x, group_name, group_size)

@@ -40,7 +40,8 @@ __all__ = [
     "op_name",
     "parameter_slots",
     "recompute_region",
-    "shape_guards",
+    "bind_symbols",
+    "guards_hold",
     "symbol_hints",
     "symbolic_expr",
     "symbolic_hint",
@@ -117,10 +118,16 @@ def symbol_hints(size: torch.SymInt, symbols) -> dict:
     return {symbol: size.node.shape_env.backed_var_to_val[symbol] for symbol in symbols}
 
 
-def shape_guards(size: torch.SymInt) -> list:
-    """The guards (sympy booleans) of the shape environment ``size`` belongs to, those that torch added
-    while it traced and compiled the graph."""
-    return [guard.expr for guard in size.node.shape_env.guards]
+def bind_symbols(size: torch.SymInt, placeholders, args) -> dict:
+    """The size symbols of a graph's inputs (``placeholders``: fake tensors and SymInts of ``size``'s
+    shape environment, None for anything else) bound to their values in ``args``."""
+    return size.node.shape_env.bind_symbols(placeholders, args)
+
+
+def guards_hold(size: torch.SymInt, placeholders, args) -> bool:
+    """Whether every guard torch added while tracing and compiling a graph (its shape environment,
+    that of ``size``) holds for inputs of the sizes and strides of ``args``."""
+    return size.node.shape_env.evaluate_guards_for_args(placeholders, args)
 
 
 def tag_recompute(node, policy, region: int) -> None:

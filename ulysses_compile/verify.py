@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -12,8 +13,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .agreement import input_names
-from .collectives import take_block
-from .compat import shape_guards, symbolic_expr
+from .collectives import average_grad, gather_objects, mean_over_group, take_block
+from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr, symbolic_hint
 from .errors import OptionsError, VerificationError
 from .report import module_path
 from .sharding import seq_factors, sharding_of
@@ -122,11 +123,12 @@ def differentiable_scalar(output) -> torch.Tensor | None:
 def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
     """``compiled`` checked once, before its first call runs, on a short sequence: the same compiled
     program and ``original`` run eagerly on the first ``S'`` positions of every input, where ``S'`` is
-    the shortest length of the call's class (``S' = S mod P``, at least ``2P``) that the graph's shape
-    guards accept; outputs and, when gradients are enabled, every parameter's gradient are compared.
-    The check costs a forward and backward at ``S'`` tokens in each of the two programs, so it runs at
-    any real length, where an eager step at ``S`` would not fit. It needs the length symbolic
-    (``torch.compile(..., dynamic=True)``): a graph compiled for one length cannot run another."""
+    the shortest length of the call's class (``S mod P`` kept, at least ``2P``) that the graph's shape
+    guards accept; outputs and, when gradients are enabled, the gradients of every input that requires
+    them (parameters, and activations from an earlier graph) are compared. The check costs a forward
+    and backward at ``S'`` tokens in each of the two programs, so it runs at any real length, where an
+    eager step at ``S`` would not fit. It needs the length symbolic (``torch.compile(...,
+    dynamic=True)``): a graph compiled for one length cannot run another."""
     report = gm.meta["ulysses_report"]
     if report.replicated:
         report.notes.append("verify='short': the graph runs replicated, as eager does; nothing to check")
@@ -141,130 +143,173 @@ def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
         )
     random = _random_draw(original)
     if random is not None:
-        return _unchecked(compiled, report, f"the graph draws random numbers ({random}), which the compiled "
-                          f"program and eager draw differently; verify with dropout off (model.eval())")
-    symbols = sorted(set().union(*(symbolic_expr(length).free_symbols for length in lengths)), key=str)
-    guards = shape_guards(lengths[0])
+        _skipped(report, f"the graph draws random numbers ({random}), which the compiled program and eager "
+                         f"draw differently; verify with dropout off (model.eval())")
+        return compiled
     placeholders = gm.graph.find_nodes(op="placeholder")
-    parameters = [i for i, node in enumerate(placeholders) if node in ctx.parameters]
-    symbolic_inputs = [node.meta.get("example_value", example) for node, example in zip(placeholders, example_inputs)]
-    blocks, names = _output_blocks(gm), input_names(gm)
+    check = _ShortCheck(
+        compiled=compiled, original=original, ctx=ctx, report=report, size=lengths[0],
+        symbols=sorted(set().union(*(symbolic_expr(length).free_symbols for length in lengths)), key=str),
+        inputs=[_placeholder_value(node, example) for node, example in zip(placeholders, example_inputs)],
+        names=input_names(gm), blocks=_output_blocks(gm),
+        by_reference={i for i, node in enumerate(placeholders)
+                      if node in ctx.parameters and "_buffers_" not in node.target},
+        averaged={i for i, node in enumerate(placeholders) if any(user.target is average_grad for user in node.users)},
+    )
     checked = False
 
     def run(*args):
         nonlocal checked
         if not checked:
             checked = True
-            values = _bound_symbols(symbolic_inputs, args)
-            short = _short_lengths(symbols, values, guards, ctx.world_size)
-            if short is None:
-                log.warning("ulysses_compile: verify='short' skipped: no length shorter than %s passes the "
-                            "graph's shape guards", {str(s): values[s] for s in symbols})
-                report.notes.append("verify='short' skipped: no shorter length passes the graph's shape guards")
-            else:
-                lengths = ", ".join(f"{short[s]} (this call {values[s]})" for s in symbols)
-                _check_short(compiled, original, symbolic_inputs, args, {**values, **short}, lengths, parameters,
-                             blocks, names, ctx, report)
+            check(args)
         return compiled(*args)
 
     return run
 
 
-def _unchecked(compiled, report, reason: str):
+def _skipped(report, reason: str) -> None:
     log.warning("ulysses_compile: verify='short' skipped: %s", reason)
     report.notes.append(f"verify='short' skipped: {reason}")
-    return compiled
 
 
-def _check_short(compiled, original, symbolic_inputs, args, values: dict, lengths: str, parameters: list[int],
-                 blocks, names, ctx, report) -> None:
-    kept = [(names[i], args[i]) for i in parameters
-            if torch.is_grad_enabled() and isinstance(args[i], torch.Tensor) and args[i].requires_grad]
-    with torch.random.fork_rng(devices=[]):
-        got = list(compiled(*_shortened(symbolic_inputs, args, values, parameters)))
-        whole = list(original(*_shortened(symbolic_inputs, args, values, parameters)))
-    want = [w if block is None or not isinstance(w, torch.Tensor) else take_block(w, *block, ctx.rank, ctx.world_size)
-            for w, block in zip(whole, blocks, strict=True)]
-    pairs = [(f"output {name}", g, w) for (name, g), (_, w) in zip(named_tensors(got), named_tensors(want))]
-    got_terms, want_terms = [], []
-    generator = torch.Generator().manual_seed(0)
-    for g, w, block in zip(got, whole, blocks):
-        if all(isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point() for t in (g, w)):
-            weight = torch.randn(w.shape, generator=generator).to(w.device)
-            local = weight if block is None else take_block(weight, *block, ctx.rank, ctx.world_size)
-            got_terms.append((g.float() * local).sum())
-            want_terms.append((w.float() * weight).sum())
-    if kept and got_terms:
-        tensors = [tensor for _, tensor in kept]
-        got_grads = torch.autograd.grad(sum(got_terms), tensors, allow_unused=True)
-        want_grads = torch.autograd.grad(sum(want_terms), tensors, allow_unused=True)
-        pairs += [(f"grad {name}", g, w) for (name, _), g, w in zip(kept, got_grads, want_grads)
-                  if g is not None or w is not None]
-    rows, ok = compare(pairs)
-    if not ok:
-        raise VerificationError(
-            f"rank {ctx.rank}: at the short sequence length {lengths} the compiled graph disagrees with eager execution "
-            f"(rtol {RTOL} of the reference's magnitude):\n" + "\n".join(rows)
-        )
-    gradients = sum(name.startswith("grad ") for name, _, _ in pairs)
-    note = (f"verify='short': at sequence length {lengths} the compiled program's {len(pairs) - gradients} outputs and "
-            f"{gradients} parameter gradients match eager")
-    log.info("ulysses_compile: %s", note)
-    report.notes.append(note)
+def _placeholder_value(node: fx.Node, example):
+    """What a graph input is with its symbolic sizes (Dynamo hands the backend real example tensors)."""
+    value = node.meta.get("example_value", example)
+    return value if isinstance(value, (torch.Tensor, torch.SymInt)) else None
 
 
-def _bound_symbols(example_inputs, args) -> dict:
-    """Each size symbol that is a whole size of an input (``s27``, not ``s27 + 1``) and its value in ``args``."""
-    values = {}
-    for example, arg in zip(example_inputs, args):
-        pairs = zip(example.shape, arg.shape) if isinstance(example, torch.Tensor) else [(example, arg)]
-        for size, value in pairs:
-            if is_symbolic(size) and symbolic_expr(size).is_Symbol:
-                values[symbolic_expr(size)] = int(value)
-    return values
+@dataclass
+class _ShortCheck:
+    compiled: object
+    original: fx.GraphModule
+    ctx: object
+    report: object
+    size: torch.SymInt  # a symbolic size of the graph: its shape environment
+    symbols: list  # the sequence lengths' size symbols
+    inputs: list  # each graph input with its symbolic sizes (None: not a tensor or SymInt)
+    names: list[str]
+    blocks: list  # each output's sequence sharding, if it leaves the graph sharded
+    by_reference: set[int]  # parameters and ZeRO shards: passed as they are, never copied
+    averaged: set[int]  # parameters whose gradient the rewrite averages over data-parallel replicas
+
+    def __call__(self, args) -> None:
+        group = _resolve_process_group(self.ctx.group_name)
+        values = bind_symbols(self.size, self.inputs, args)
+        short = self._short_lengths(args, values)
+        chosen = gather_objects(short, group)
+        if short is None or any(other != short for other in chosen):
+            reason = (f"no length shorter than {', '.join(str(values[s]) for s in self.symbols)} passes the "
+                      f"graph's shape guards on every rank")
+            _skipped(self.report, reason)
+            return
+        at = ", ".join(f"{short[str(s)]} (this call {values[s]})" for s in self.symbols)
+        failure, rows, counts = None, [], (0, 0)
+        try:
+            rows, counts = self._compare({**values, **{s: short[str(s)] for s in self.symbols}}, args)
+        except Exception as raised:  # every rank must reach the verdict below, or the others would wait
+            failure = raised
+        verdicts = gather_objects(failure is None and not any("MISMATCH" in row for row in rows), group)
+        failing = [rank for rank, ok in enumerate(verdicts) if not ok]
+        if failing:
+            detail = "\n".join(rows) if rows else f"the check raised {type(failure).__name__}: {failure}"
+            raise VerificationError(
+                f"rank {self.ctx.rank}: at the short sequence length {at} the compiled graph disagrees with "
+                f"eager execution on ranks {failing} (rtol {RTOL} of the reference's magnitude); this rank:\n"
+                + detail
+            ) from failure
+        note = (f"verify='short': at sequence length {at} the compiled program's {counts[0]} outputs and "
+                f"{counts[1]} gradients match eager")
+        log.info("ulysses_compile: %s", note)
+        self.report.notes.append(note)
+
+    def _short_lengths(self, args, values: dict, tries: int = 64) -> dict | None:
+        """The shortest lengths of the call's class (each ``S mod P`` kept, at least ``2P``) under which
+        every guard holds: the call's own lengths only when they are the shortest of their class."""
+        world_size = self.ctx.world_size
+        for step in range(tries):
+            short = {s: min(values[s], 2 * world_size + values[s] % world_size + step * world_size)
+                     for s in self.symbols}
+            if step and all(short[s] == values[s] for s in self.symbols):
+                return None
+            shapes = [torch.empty_strided(*_sizes(example, {**values, **short}), device="meta")
+                      if isinstance(example, torch.Tensor) else _at(example, {**values, **short})
+                      for example in self.inputs]
+            if guards_hold(self.size, self.inputs, [a if e is None else v for e, a, v in
+                                                    zip(self.inputs, args, shapes)]):
+                return {str(s): value for s, value in short.items()}
+        return None
+
+    def _compare(self, values: dict, args) -> tuple[list[str], tuple[int, int]]:
+        differentiate = torch.is_grad_enabled()
+        cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda):
+            got_inputs = self._shortened(args, values)
+            got = list(self.compiled(*got_inputs))
+            want_inputs = self._shortened(args, values)
+            whole = list(self.original(*want_inputs))
+        want = [w if block is None or not isinstance(w, torch.Tensor)
+                else take_block(w, *block, self.ctx.rank, self.ctx.world_size)
+                for w, block in zip(whole, self.blocks, strict=True)]
+        got_named, want_named = named_tensors(got), named_tensors(want)
+        if len(got_named) != len(want_named) or len(got) != len(whole):
+            return [f"outputs: the compiled graph returns {len(got_named)} tensors, eager {len(want_named)}   "
+                    f"MISMATCH"], (0, 0)
+        pairs = [(f"output {name}", g, w) for (name, g), (_, w) in zip(got_named, want_named, strict=True)]
+        rows, got_terms, want_terms = [], [], []
+        generator = torch.Generator().manual_seed(0)
+        for index, (g, w, block) in enumerate(zip(got, whole, self.blocks, strict=True)):
+            if not (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and w.is_floating_point()):
+                continue
+            if g.requires_grad != w.requires_grad:
+                rows.append(f"output {index}: requires grad {g.requires_grad}, eager {w.requires_grad}   MISMATCH")
+            elif w.requires_grad:
+                weight = torch.randn(w.shape, generator=generator).to(w.device)
+                local = weight if block is None else take_block(weight, *block, self.ctx.rank, self.ctx.world_size)
+                got_terms.append((g.float() * local).sum())
+                want_terms.append((w.float() * weight).sum())
+        targets = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad] \
+            if differentiate and got_terms else []
+        if targets:
+            got_grads = torch.autograd.grad(sum(got_terms), [got_inputs[i] for i in targets], allow_unused=True)
+            want_grads = torch.autograd.grad(sum(want_terms), [want_inputs[i] for i in targets], allow_unused=True)
+            for i, g, w in zip(targets, got_grads, want_grads, strict=True):
+                if w is not None and i in self.averaged:
+                    w = mean_over_group(w, *self.ctx.data_parallel)
+                if g is not None or w is not None:
+                    pairs.append((f"grad {self.names[i]}", g, w))
+        compared, _ = compare(pairs)
+        gradients = sum(name.startswith("grad ") for name, _, _ in pairs)
+        return rows + compared, (len(pairs) - gradients, gradients)
+
+    def _shortened(self, args, values: dict) -> list:
+        """``args`` at the sizes ``values`` give the inputs' symbolic sizes and strides: the leading
+        positions of each input, as a new leaf (``requires_grad`` kept), and a copy of every other
+        tensor but parameters and ZeRO shards (the graph may write buffers in place)."""
+        shortened = []
+        for index, (example, arg) in enumerate(zip(self.inputs, args, strict=True)):
+            if isinstance(example, torch.SymInt):
+                shortened.append(_at(example, values))
+            elif not isinstance(arg, torch.Tensor) or index in self.by_reference or example is None:
+                shortened.append(arg)
+            else:
+                sizes, strides = _sizes(example, values)
+                with torch.no_grad():
+                    copy = torch.empty_strided(sizes, strides, dtype=arg.dtype, device=arg.device)
+                    copy.copy_(arg[tuple(slice(0, size) for size in sizes)])
+                shortened.append(copy.requires_grad_(arg.requires_grad))
+        return shortened
 
 
-def _short_lengths(symbols, values: dict, guards, world_size: int, tries: int = 64) -> dict | None:
-    """The shortest lengths of the call's class (each ``S mod P`` kept, at least ``2P``, at most the call's)
-    under which every guard holds, or None."""
-    for step in range(tries):
-        short = {s: min(values[s], 2 * world_size + values[s] % world_size + step * world_size) for s in symbols}
-        at = {**values, **short}
-        if all(_holds(guard, at) for guard in guards):
-            return short
-        if short == {s: values[s] for s in symbols}:
-            return None
-    return None
+def _at(size, values: dict):
+    """A size at the symbol values ``values``."""
+    if not is_symbolic(size):
+        return size
+    return int(symbolic_expr(size).xreplace({symbol: sympy.Integer(value) for symbol, value in values.items()}))
 
 
-def _holds(guard, values: dict) -> bool:
-    """False only when the guard is decided and false at ``values`` (a guard on a symbol not bound here,
-    such as a data-dependent size, cannot be decided and is not held against the length)."""
-    decided = guard.xreplace({symbol: sympy.Integer(value) for symbol, value in values.items()})
-    return not (decided.is_Boolean and not bool(decided)) if decided.free_symbols == set() else True
-
-
-def _shortened(example_inputs, args, values: dict, parameters: list[int]) -> list:
-    """``args`` at the sizes ``values`` give the example inputs' symbolic sizes and strides: the leading
-    positions of each shortened tensor, and a fresh copy of every other tensor but parameters (the
-    graph may write its inputs in place)."""
-    substitute = {symbol: sympy.Integer(value) for symbol, value in values.items()}
-
-    def at(size):
-        return int(symbolic_expr(size).xreplace(substitute)) if is_symbolic(size) else size
-
-    shortened = []
-    for index, (example, arg) in enumerate(zip(example_inputs, args)):
-        if is_symbolic(example):
-            shortened.append(at(example))
-        elif not isinstance(arg, torch.Tensor) or index in parameters:
-            shortened.append(arg)
-        else:
-            sizes = [at(size) for size in example.shape]
-            copy = torch.empty_strided(sizes, [at(stride) for stride in example.stride()], dtype=arg.dtype,
-                                       device=arg.device)
-            shortened.append(copy.copy_(arg[tuple(slice(0, size) for size in sizes)]))
-    return shortened
+def _sizes(example: torch.Tensor, values: dict) -> tuple[list[int], list[int]]:
+    return [_at(size, values) for size in example.shape], [_at(stride, values) for stride in example.stride()]
 
 
 _RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
@@ -275,25 +320,33 @@ _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, 
 
 
 def _random_draw(gm: fx.GraphModule) -> str | None:
-    """The first op of the captured graph that draws random numbers (a dropout with ``p > 0`` while
-    training, ``torch.rand``, ``x.uniform_()``), described, or None."""
-    for node in gm.graph.nodes:
+    """The first op of the captured graph (and of its checkpointed bodies) that draws random numbers
+    (a dropout with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``,
+    ``x.uniform_()``), described, or None."""
+    for node in (node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes):
+        where = module_path(node) or node.name
         if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS or \
                 node.op == "call_method" and node.target in _RANDOM_METHODS:
-            return f"{getattr(node.target, '__name__', node.target)} at {module_path(node) or node.name}"
-        p, training = 0.0, False
-        if node.op == "call_function" and node.target in _DROPOUTS:
+            return f"{getattr(node.target, '__name__', node.target)} at {where}"
+        if node.op != "call_function":
+            continue
+        if node.target in _DROPOUTS or node.target is F.rrelu:
             bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
             bound.apply_defaults()
-            p, training = bound.arguments["p"], bound.arguments["training"]
-        elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-            p, training = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0), True
-        if training and p:
-            return f"dropout p={_number(p)} at {module_path(node) or node.name}"
+            p = _number(bound.arguments.get("p", 1.0))
+            if bound.arguments["training"] and p:
+                return f"{node.target.__name__} p={p} at {where}" if node.target is not F.rrelu else f"rrelu at {where}"
+        elif node.target is F.scaled_dot_product_attention:
+            p = _number(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+            if p:
+                return f"attention dropout p={p} at {where}"
     return None
 
 
 def _number(value):
-    """A float argument as a number; one that ``dynamic=True`` made symbolic, at the call compiled."""
+    """A float argument as a number; one that ``dynamic=True`` made symbolic, at the call compiled (a
+    value it cannot tell counts as nonzero)."""
     example = value.meta.get("example_value") if isinstance(value, fx.Node) else value
-    return float(example.node.hint) if isinstance(example, torch.SymFloat) else example
+    if isinstance(example, torch.SymFloat):
+        return float(symbolic_hint(example))
+    return example if isinstance(example, (int, float, bool)) else 1.0
