@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 
 import sympy
@@ -204,6 +205,7 @@ class _ShortCheck:
             _skipped(self.report, reason)
             return
         at = ", ".join(f"{short[str(s)]} (this call {values[s]})" for s in self.symbols)
+        started = time.perf_counter()
         failure, rows, counts = None, [], (0, 0)
         try:
             rows, counts = self._compare({**values, **{s: short[str(s)] for s in self.symbols}}, args)
@@ -220,7 +222,8 @@ class _ShortCheck:
             ) from failure
         note = (f"verify='short': at sequence length {at} the compiled program's {counts[0]} outputs and "
                 f"{counts[1]} gradients match eager")
-        log.info("ulysses_compile: %s", note)
+        seconds = time.perf_counter() - started
+        log.info("ulysses_compile: %s (%.2f s)", note, seconds, extra={"verify_seconds": seconds})
         self.report.notes.append(note)
 
     def _short_lengths(self, args, values: dict, tries: int = 64) -> dict | None:
