@@ -48,25 +48,47 @@ from .sequence_dims import sequence_dims
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
-    """Place every node; returns the nodes computed on gathered inputs."""
+    """Place every node; returns the nodes computed on gathered inputs.
+
+    A value written in place and also viewed by an op that falls back would be viewed as a gathered
+    copy, which misses writes made after the view (and a write through the view lands on the copy):
+    such a value is placed whole from where it is made, so its views are real views. Placing it whole
+    can make another view fall back, so this repeats until no new value is found."""
+    bases = alias_bases(gm.graph)
+    written = written_bases(gm.graph, bases)
+    whole: dict[fx.Node, fx.Node] = {}  # written value -> a view of it that fell back
+    while True:
+        fallbacks, viewed_as_copies = _place_all(gm, ctx, sites, bases, written, whole)
+        found = {bases[view]: view for view in viewed_as_copies if bases[view] in written and bases[view] not in whole}
+        if not found:
+            return fallbacks
+        whole.update(found)
+
+
+def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], list[fx.Node]]:
     feeds_attention = _ancestors(n for site in sites for n in (site.query, site.key, site.value))
     feeds_attention -= _ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
     head_parallel = _head_parallel_nodes(sites)
     seq_dims = sequence_dims(sites, ctx.parameters)
     seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
-    bases = alias_bases(gm.graph)
-    written = written_bases(gm.graph, bases)
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     feeds_attention -= {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     view = RuleView(_output_placement, ctx.world_size)
     fallbacks: list[Fallback] = []
+    viewed_as_copies = []
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if node.op in ("placeholder", "get_attr"):
             place(node, NodeSharding(_replicated_like(value), value))
         elif node.op == "output":
             continue
+        elif node in whole:
+            place(node, NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
+            if any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
+                fallbacks.append(_fallback_report(
+                    node, view, f"it is written in place and viewed by {whole[node].name}, which cannot stay "
+                                f"sharded, so it is kept whole"))
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
@@ -76,8 +98,10 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
             sharding, fallback = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
                                          seq_dims, seq_lengths)
             fallbacks += [fallback] if fallback is not None else []
+            if fallback is not None and may_alias(node):
+                viewed_as_copies.append(node)
             place(node, sharding)
-    return fallbacks
+    return fallbacks, viewed_as_copies
 
 
 def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:

@@ -180,6 +180,18 @@ def _position_read_around_a_write(h):
     return h + (before + torch.tanh(first)).unsqueeze(1)
 
 
+def _view_read_after_its_base_is_written(h):
+    following = h[:, 1:]  # a view across block boundaries, taken before the write below
+    h.mul_(2.0)
+    return h + F.pad(torch.tanh(following), (0, 0, 0, 1))
+
+
+def _written_through_a_shifted_view(h):
+    h = h.clone()
+    h[:, 1:].mul_(2.0)  # the write lands in h through the view
+    return h
+
+
 def _sum_written_through_a_view(h):
     total = h.sum(1)
     total.view(-1).add_(1.0)
@@ -240,6 +252,8 @@ PROBES = {
     "halves_into_new_buffer": lambda: Probe(_halves_written_into_a_new_buffer),
     "position_read_around_a_write": lambda: Probe(_position_read_around_a_write),
     "sum_written_through_a_view": lambda: Probe(_sum_written_through_a_view),
+    "view_read_after_its_base_is_written": lambda: Probe(_view_read_after_its_base_is_written),
+    "written_through_a_shifted_view": lambda: Probe(_written_through_a_shifted_view),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

@@ -22,6 +22,7 @@ from ulysses_compile.collectives import (
     seq_to_heads,
     sync_grad,
 )
+from ulysses_compile.sharding import is_rank_local, sharding_of
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -232,6 +233,23 @@ def test_a_cumsum_is_completed_once_for_all_its_readers(fake_group):
     (gm,) = rewritten_graphs(PROBES["cumsum_in_place_reused"](), (torch.randint(0, 32, (2, 16)),))
     (completion,) = calls(gm, add_previous_ranks_totals)
     assert any(user.target == "mul_" for user in completion.users)  # the write lands on what readers read
+
+
+@pytest.mark.parametrize("probe,viewed_by", [("view_read_after_its_base_is_written", "following"),
+                                              ("written_through_a_shifted_view", "getitem_3")])
+def test_a_value_written_in_place_and_viewed_by_a_fallback_is_kept_whole(fake_group, probe, viewed_by):
+    """A view that falls back would view a gathered copy, missing later writes to its base (or taking a
+    write through it): the base is computed whole instead, so the view is a real one, and reported."""
+    from op_probes import PROBES
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES[probe](), (torch.randint(0, 32, (2, 15)),))
+    report = gm.meta["ulysses_report"]
+    assert len(report.attention_sites) == 1 and len(calls(gm, heads_to_seq)) == 1
+    kept = [fallback for fallback in report.fallbacks if "so it is kept whole" in fallback.reason]
+    assert len(kept) == 1 and f"viewed by {viewed_by}," in kept[0].reason, report.fallbacks
+    (base,) = [node for node in gm.graph.nodes if node.name == kept[0].node]
+    assert all(not is_rank_local(sharding_of(user).output) for user in base.users if user.op != "output")
 
 
 def test_a_new_buffer_of_a_sharded_value_is_made_in_blocks(fake_group):
