@@ -237,6 +237,33 @@ def _gather_reversed_positions(h):
     return torch.gather(h, 1, positions) + h
 
 
+# The probes' ops that map the attention's output [B, S, D] to a value of the same shape: the randomized
+# tests chain them (test_properties.py), so each is also met after the others' writes, views and gathers.
+STEPS = {
+    "setitem": _setitem, "relu_": _relu_inplace, "iadd_alias": _iadd_alias, "axis_keywords": _halves,
+    "dim_keywords": _dims_by_keyword, "matvec_norm": _matvec_and_norm, "pool_first_cumsum": _pool_first_and_cumsum,
+    "cumsum_in_place_reused": _cumsum_written_in_place_and_reused, "written_then_gathered": _written_then_gathered,
+    "whole_buffer_written_by_tokens": _whole_buffer_written_by_tokens,
+    "halves_into_new_buffer": _halves_written_into_a_new_buffer,
+    "position_read_around_a_write": _position_read_around_a_write,
+    "sum_written_through_a_view": _sum_written_through_a_view,
+    "view_read_after_its_base_is_written": _view_read_after_its_base_is_written,
+    "written_through_a_shifted_view": _written_through_a_shifted_view,
+    "repeat_interleave_features": _interleaved_repeat, "roll_shift": _roll_shift, "causal_conv1d": _causal_conv1d,
+    "mean_and_max_pool": _mean_and_max_pool, "gather_reversed_positions": _gather_reversed_positions,
+}
+
+
+def chained(*steps: str) -> Probe:
+    """A probe whose op is the named steps applied in order."""
+    def chain(h):
+        for step in steps:
+            h = STEPS[step](h)
+        return h
+
+    return Probe(chain)
+
+
 PROBES = {
     "setitem": lambda: Probe(_setitem),
     "relu_": lambda: Probe(_relu_inplace),

@@ -241,3 +241,53 @@ def test_random_configs_equal_eager_at_P3():
 @pytest.mark.multirank
 def test_random_configs_equal_eager_at_P4():
     check_random_configs(4, pool_size=4, max_examples=6)
+
+
+def chain_equal_to_eager(rank, world_size, config):
+    from op_probes import chained
+
+    torch.manual_seed(config["seed"])
+    model = chained(*config["steps"])
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(config["seed"])
+    ids = torch.randint(0, VOCAB, (2, config["seq"]), generator=generator)
+    weights = torch.randn(2, config["seq"], VOCAB, generator=generator)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": config["compiler"]})
+    try:
+        want = reference(ids)
+        (want * weights).sum().backward()
+    except RuntimeError as refused:  # autograd refuses the chain in eager (relu_ writing a saved output)
+        with pytest.raises(Exception, match="modified by an inplace operation"):
+            (compiled(ids) * weights).sum().backward()
+        assert "modified by an inplace operation" in str(refused)
+        return
+    got = compiled(ids)
+    (got * weights).sum().backward()
+    compare_model(rank, model, reference, {f"{config} output": (got, want)})
+
+
+@st.composite
+def chains(draw) -> dict:
+    """Two to four of the op probes' steps in a row after attention, at any length up to 20."""
+    from op_probes import STEPS
+
+    return {
+        "steps": draw(st.lists(st.sampled_from(sorted(STEPS)), min_size=2, max_size=4)),
+        "seq": draw(st.integers(2, 20)),
+        "compiler": draw(st.sampled_from(["eager"] * 3 + ["aot_eager"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@pytest.mark.multirank
+def test_random_chains_of_probe_ops_equal_eager_at_P2():
+    """The op probes' root causes (in-place writes through views, views of written values, gathers of
+    written values, partial sums and scans, new buffers) met in random orders: each chain's output and
+    every gradient equal eager's."""
+    @seed(2)
+    @settings(max_examples=12 * EXAMPLES_SCALE, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
+    @given(chains())
+    def chain_equals_eager(config):
+        run_ranks(chain_equal_to_eager, 2, config)
+
+    chain_equals_eager()
