@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.errors import UnsupportedError
-from ulysses_compile.report import Fallback
+from ulysses_compile.report import Fallback, module_path
 from ulysses_compile.sizes import same_size
 from ulysses_compile.sharding import (
     REPLICATE,
@@ -50,22 +50,51 @@ from .sequence_dims import sequence_dims
 def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
     """Place every node; returns the nodes computed on gathered inputs.
 
-    A value written in place and also viewed by an op that falls back would be viewed as a gathered
-    copy, which misses writes made after the view (and a write through the view lands on the copy):
-    such a value is placed whole from where it is made, so its views are real views. Placing it whole
-    can make another view fall back, so this repeats until no new value is found."""
+    A view taken by an op with no sharded form views a gathered copy, which misses writes made to its
+    base after the view (and takes writes made through it); a position read (a rank's part of a
+    reduction) takes writes made through it on the reduced copy. Where that happens, the written value
+    is placed whole from where it is made, so its views are real views; placing it whole can change
+    other placements, so this repeats until no new value is found. Ranks decide alike: placements
+    depend on global shapes and P, not on the rank."""
     bases = alias_bases(gm.graph)
     written = written_bases(gm.graph, bases)
-    whole: dict[fx.Node, fx.Node] = {}  # written value -> a view of it that fell back
+    writes = [(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)]
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    attention = set(_head_parallel_nodes(sites)) | {site.node for site in sites}
+    whole: dict[fx.Node, fx.Node] = {}  # written value -> a view of it that would be a copy
     while True:
-        fallbacks, viewed_as_copies = _place_all(gm, ctx, sites, bases, written, whole)
-        found = {bases[view]: view for view in viewed_as_copies if bases[view] in written and bases[view] not in whole}
+        fallbacks, copies, reductions = _place_all(gm, ctx, sites, bases, written, whole)
+        found = {}
+        for view in copies:  # a view of a gathered copy: stale after a later write to its base
+            if bases[view] not in whole and any(order[writer] > order[view] and bases[target] is bases[view]
+                                                for writer, target in writes):
+                found.setdefault(bases[view], view)
+        for view in reductions:  # a rank's part of a reduction: a write through it lands on the reduced copy
+            if bases[view] not in whole and any(_viewed_through(target, view, bases) for _, target in writes):
+                found.setdefault(bases[view], view)
         if not found:
             return fallbacks
+        for base, view in found.items():
+            if base in attention:
+                raise UnsupportedError(
+                    f"{base.name} (inside an attention at {module_path(base) or base.name}) is written in place and viewed by "
+                    f"{view.name} ({view.target}), which has no sequence-sharded form here, so the view would be a "
+                    f"copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
+                )
         whole.update(found)
 
 
-def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], list[fx.Node]]:
+def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
+    """Whether ``target`` is ``view`` or a view (of a view...) of it."""
+    while target is not None and target is not view and bases.get(target) is not target:
+        source = target.args[0] if target.args and isinstance(target.args[0], fx.Node) else None
+        target = source
+    return target is view
+
+
+def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], list[fx.Node], list[fx.Node]]:
+    """Place every node; returns the fallbacks, the views placed as views of a gathered copy, and the
+    views placed as a rank's part of a reduction (a position read: partial until reduced)."""
     feeds_attention = _ancestors(n for site in sites for n in (site.query, site.key, site.value))
     feeds_attention -= _ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
@@ -76,7 +105,7 @@ def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], l
     feeds_attention -= {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     view = RuleView(_output_placement, ctx.world_size)
     fallbacks: list[Fallback] = []
-    viewed_as_copies = []
+    copies, reductions = [], []
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if node.op in ("placeholder", "get_attr"):
@@ -98,10 +127,12 @@ def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], l
             sharding, fallback = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
                                          seq_dims, seq_lengths)
             fallbacks += [fallback] if fallback is not None else []
-            if fallback is not None and may_alias(node):
-                viewed_as_copies.append(node)
+            if may_alias(node) and fallback is not None:
+                copies.append(node)
+            elif may_alias(node) and is_rank_local(sharding.output) and not is_sharded(sharding.output):
+                reductions.append(node)
             place(node, sharding)
-    return fallbacks, viewed_as_copies
+    return fallbacks, copies, reductions
 
 
 def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:

@@ -192,6 +192,26 @@ def _written_through_a_shifted_view(h):
     return h
 
 
+def _written_through_a_position(h):
+    h = h.clone()
+    h[:, 0].add_(1.0)  # one position of the sequence, written through its view
+    return h
+
+
+def _flat_view_read_after_a_write(h):
+    flat = torch.ravel(h)
+    h.mul_(2.0)
+    return h + flat.view_as(h)
+
+
+def _strided_alias(h):
+    return h.unfold(1, 1, 1).squeeze(-1)  # the same values, through a view with no sharded form
+
+
+def _scaled_in_place(h):
+    return h.mul_(0.5)
+
+
 def _sum_written_through_a_view(h):
     total = h.sum(1)
     total.view(-1).add_(1.0)
@@ -237,8 +257,9 @@ def _gather_reversed_positions(h):
     return torch.gather(h, 1, positions) + h
 
 
-# The probes' ops that map the attention's output [B, S, D] to a value of the same shape: the randomized
-# tests chain them (test_properties.py), so each is also met after the others' writes, views and gathers.
+# The probes' ops that map the attention's output [B, S, D] to a value of the same shape, some returning
+# a view of their input or writing into it: the randomized tests chain them (test_properties.py) and
+# read the chain's input again at the end, so writes and views also cross from one step to the next.
 STEPS = {
     "setitem": _setitem, "relu_": _relu_inplace, "iadd_alias": _iadd_alias, "axis_keywords": _halves,
     "dim_keywords": _dims_by_keyword, "matvec_norm": _matvec_and_norm, "pool_first_cumsum": _pool_first_and_cumsum,
@@ -249,17 +270,20 @@ STEPS = {
     "sum_written_through_a_view": _sum_written_through_a_view,
     "view_read_after_its_base_is_written": _view_read_after_its_base_is_written,
     "written_through_a_shifted_view": _written_through_a_shifted_view,
-    "repeat_interleave_features": _interleaved_repeat, "roll_shift": _roll_shift, "causal_conv1d": _causal_conv1d,
+    "written_through_a_position": _written_through_a_position,
+    "flat_view_read_after_a_write": _flat_view_read_after_a_write, "strided_alias": _strided_alias,
+    "scaled_in_place": _scaled_in_place, "repeat_interleave_features": _interleaved_repeat, "roll_shift": _roll_shift, "causal_conv1d": _causal_conv1d,
     "mean_and_max_pool": _mean_and_max_pool, "gather_reversed_positions": _gather_reversed_positions,
 }
 
 
 def chained(*steps: str) -> Probe:
     """A probe whose op is the named steps applied in order."""
-    def chain(h):
+    def chain(first):
+        h = first
         for step in steps:
             h = STEPS[step](h)
-        return h
+        return h + 0.5 * first  # sees every write made through a view of it
 
     return Probe(chain)
 
@@ -281,6 +305,8 @@ PROBES = {
     "sum_written_through_a_view": lambda: Probe(_sum_written_through_a_view),
     "view_read_after_its_base_is_written": lambda: Probe(_view_read_after_its_base_is_written),
     "written_through_a_shifted_view": lambda: Probe(_written_through_a_shifted_view),
+    "written_through_a_position": lambda: Probe(_written_through_a_position),
+    "flat_view_read_after_a_write": lambda: Probe(_flat_view_read_after_a_write),
     "embedding_scale_grad_by_freq": lambda: Probe(nn.Identity(), scale_grad_by_freq=True),
     "embedding_max_norm": lambda: Probe(nn.Identity(), max_norm=1.0),
     "handwritten_attention": lambda: Probe(nn.Identity(), attention=ManualAttention),

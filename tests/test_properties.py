@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import Phase, given, seed, settings
+from hypothesis import Phase, example, given, seed, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -282,11 +282,15 @@ def chains(draw) -> dict:
 @pytest.mark.multirank
 def test_random_chains_of_probe_ops_equal_eager_at_P2():
     """The op probes' root causes (in-place writes through views, views of written values, gathers of
-    written values, partial sums and scans, new buffers) met in random orders: each chain's output and
-    every gradient equal eager's."""
+    written values, partial sums and scans, new buffers) met in random orders, writes and views crossing
+    from step to step: each chain's output and every gradient equal eager's. The two examples are
+    always run: a write through a view with no sharded form, and a write through a position."""
     @seed(2)
     @settings(max_examples=12 * EXAMPLES_SCALE, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
     @given(chains())
+    @example({"steps": ["strided_alias", "scaled_in_place"], "seq": 15, "compiler": "eager", "seed": 0})
+    @example({"steps": ["view_read_after_its_base_is_written", "written_through_a_position"], "seq": 9,
+              "compiler": "aot_eager", "seed": 1})
     def chain_equals_eager(config):
         run_ranks(chain_equal_to_eager, 2, config)
 

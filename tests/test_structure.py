@@ -249,7 +249,21 @@ def test_a_value_written_in_place_and_viewed_by_a_fallback_is_kept_whole(fake_gr
     kept = [fallback for fallback in report.fallbacks if "so it is kept whole" in fallback.reason]
     assert len(kept) == 1 and f"viewed by {viewed_by}," in kept[0].reason, report.fallbacks
     (base,) = [node for node in gm.graph.nodes if node.name == kept[0].node]
-    assert all(not is_rank_local(sharding_of(user).output) for user in base.users if user.op != "output")
+    (view,) = [node for node in gm.graph.nodes if node.name == viewed_by]
+    assert view.args[0] is base and not is_rank_local(sharding_of(base).output)  # a real view, no copy between
+
+
+def test_an_attention_output_written_in_place_and_viewed_by_a_fallback_is_refused(fake_group):
+    class WrittenAttention(nn.Module):
+        def forward(self, q):
+            y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            tail = y[:, :, 1:]  # a view with no sharded form, taken before the write
+            y.mul_(0.5)
+            return F.pad(tail, (0, 0, 0, 1)) + y
+
+    fake_group(2)
+    with pytest.raises(Exception, match=r"is written in place and viewed by tail .*write it out of place"):
+        rewritten_graphs(WrittenAttention(), (torch.randn(1, 2, 15, 8),))
 
 
 def test_a_new_buffer_of_a_sharded_value_is_made_in_blocks(fake_group):

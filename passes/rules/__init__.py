@@ -144,9 +144,13 @@ _WRITES_FIRST_ARGUMENT = {
 }
 
 
+_FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_"})  # end in "_" but write no values
+
+
 def mutated_arg(node: fx.Node):
     """The argument an op writes into: ``x.add_(y)``, ``x += y``, ``x[i] = y``, ``F.relu(x, inplace=True)``."""
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__") \
+            and node.target not in _FLAGS_ONLY:
         return node.args[0]
     if isinstance(node.kwargs.get("out"), fx.Node):
         return node.kwargs["out"]  # torch.add(a, b, out=buffer)

@@ -46,8 +46,10 @@ ALIASING = frozenset({
     "narrow", torch.narrow, "select", torch.select, "t", torch.t, "detach", torch.detach, "as_strided",
     "diagonal", torch.diagonal, "unfold", "contiguous", "view_as_real", torch.view_as_real, "view_as_complex",
     torch.view_as_complex, "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "bool",
-    "ravel", "broadcast_to", torch.broadcast_to, torch.as_strided, "split_with_sizes", torch.split_with_sizes,
-    getattr, summed_away,
+    "ravel", torch.ravel, "broadcast_to", torch.broadcast_to, torch.as_strided, "split_with_sizes",
+    torch.split_with_sizes, "adjoint", torch.adjoint, "conj", torch.conj, torch.real, torch.imag, "hsplit",
+    torch.hsplit, "vsplit", torch.vsplit, "dsplit", torch.dsplit, "unsafe_split", "unsafe_chunk",
+    torch.atleast_1d, torch.atleast_2d, torch.atleast_3d, getattr, summed_away,
 })
 
 
