@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, batch, build_model, peak_bytes
+from zero_memory import batch, build_model, launch, peak_bytes
 
 
 def timed(step) -> tuple[float, int]:
@@ -96,12 +94,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager"))
-    args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault(MMAP_THRESHOLD_ENV, MMAP_THRESHOLD)
-    mp.start_processes(run, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    launch(run, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -134,7 +134,12 @@ def main() -> None:
     parser.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager"))
     parser.add_argument("--checkpointing", action="store_true",
                         help="transformers' gradient checkpointing on every decoder layer (non-reentrant)")
-    args = parser.parse_args()
+    launch(run, parser.parse_args())
+
+
+def launch(run, args) -> None:
+    """``run(rank, world_size, port, args)`` on ``args.world_size`` spawned ranks, with the allocator
+    setting the peak figures need."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
