@@ -87,8 +87,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
 def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
     """Whether ``target`` is ``view`` or a view (of a view...) of it."""
     while target is not None and target is not view and bases.get(target) is not target:
-        source = target.args[0] if target.args and isinstance(target.args[0], fx.Node) else None
-        target = source
+        target = target.args[0] if target.args and isinstance(target.args[0], fx.Node) else None
     return target is view
 
 
