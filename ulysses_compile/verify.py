@@ -63,9 +63,7 @@ def verified(compiled, original, gm: fx.GraphModule, ctx):
             checked = True
             with torch.no_grad():  # on copies: the graph may update buffers in place
                 reference = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-            reference = [want if block is None or not isinstance(want, torch.Tensor)
-                         else take_block(want, *block, ctx.rank, ctx.world_size)
-                         for want, block in zip(reference, blocks, strict=True)]
+            reference = [_this_ranks(want, block, ctx) for want, block in zip(reference, blocks, strict=True)]
             pairs = [(f"output {name}", got, want)
                      for (name, got), (_, want) in zip(named_tensors(list(result)), named_tensors(reference))]
             rows, ok = compare(pairs)
@@ -77,6 +75,14 @@ def verified(compiled, original, gm: fx.GraphModule, ctx):
         return result
 
     return run
+
+
+def _this_ranks(whole, block, ctx):
+    """This rank's block of an eager output the rewritten graph leaves sequence-sharded (``block``:
+    ``(dim, outer, inner)``); anything else as it is."""
+    if block is None or not isinstance(whole, torch.Tensor):
+        return whole
+    return take_block(whole, *block, ctx.rank, ctx.world_size)
 
 
 def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int] | None]:
@@ -251,9 +257,7 @@ class _ShortCheck:
             got = list(self.compiled(*got_inputs))
             want_inputs = self._shortened(args, values)
             whole = list(self.original(*want_inputs))
-        want = [w if block is None or not isinstance(w, torch.Tensor)
-                else take_block(w, *block, self.ctx.rank, self.ctx.world_size)
-                for w, block in zip(whole, self.blocks, strict=True)]
+        want = [_this_ranks(w, block, self.ctx) for w, block in zip(whole, self.blocks, strict=True)]
         got_named, want_named = named_tensors(got), named_tensors(want)
         if len(got_named) != len(want_named) or len(got) != len(whole):
             return [f"outputs: the compiled graph returns {len(got_named)} tensors, eager {len(want_named)}   "
@@ -268,7 +272,7 @@ class _ShortCheck:
                 rows.append(f"output {index}: requires grad {g.requires_grad}, eager {w.requires_grad}   MISMATCH")
             elif w.requires_grad:
                 weight = torch.randn(w.shape, generator=generator).to(w.device)
-                local = weight if block is None else take_block(weight, *block, self.ctx.rank, self.ctx.world_size)
+                local = _this_ranks(weight, block, self.ctx)
                 got_terms.append((g.float() * local).sum())
                 want_terms.append((w.float() * weight).sum())
         targets = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad] \
