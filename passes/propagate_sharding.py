@@ -24,6 +24,8 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_propagate_sharding``
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.fx as fx
 
@@ -33,17 +35,23 @@ from ulysses_compile.sizes import same_size
 from ulysses_compile.sharding import (
     REPLICATE,
     NodeSharding,
+    Partial,
+    PermutedShard,
+    Positions,
     Shard,
     completed,
     describe,
+    is_permuted,
     is_rank_local,
     is_sharded,
     place,
     sharding_of,
+    sort_orders,
 )
 
 from .in_place_writes import alias_bases, may_alias, written_bases
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
+from .rules.routing import FRESH_BUFFERS
 from .sequence_dims import sequence_dims
 
 
@@ -61,19 +69,18 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
     writes = [(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)]
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     attention = set(_head_parallel_nodes(sites)) | {site.node for site in sites}
-    whole: dict[fx.Node, fx.Node] = {}  # written value -> a view of it that would be a copy
+    whole: dict[fx.Node, str] = {}  # value kept whole -> why
+    refused: dict[str, str] = {}  # a local sort whose rows are not put back in order -> the reader
     while True:
-        fallbacks, copies, reductions = _place_all(gm, ctx, sites, bases, written, whole)
+        placed = _place_all(gm, ctx, sites, bases, written, whole, refused)
         found = {}
-        for view in copies:  # a view of a gathered copy: stale after a later write to its base
+        for view in placed.copies:  # a view of a gathered copy: stale after a later write to its base
             if bases[view] not in whole and any(order[writer] > order[view] and bases[target] is bases[view]
                                                 for writer, target in writes):
                 found.setdefault(bases[view], view)
-        for view in reductions:  # a rank's part of a reduction: a write through it lands on the reduced copy
+        for view in placed.reductions:  # a rank's part of a reduction: a write through it lands on the reduced copy
             if bases[view] not in whole and any(_viewed_through(target, view, bases) for _, target in writes):
                 found.setdefault(bases[view], view)
-        if not found:
-            return fallbacks
         for base, view in found.items():
             if base in attention:
                 raise UnsupportedError(
@@ -81,7 +88,15 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
                     f"{view.name} ({view.target}), which has no sequence-sharded form here, so the view would be a "
                     f"copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
                 )
-        whole.update(found)
+            whole[base] = f"it is written in place and viewed by {view.name}, which cannot stay sharded, so it is kept whole"
+        for base, writer in placed.whole_writes.items():
+            whole.setdefault(base, f"{writer.name} ({_op(writer)}) writes into it in a way that cannot stay sharded, "
+                                   f"so it is made whole")
+        for sort, reader in placed.stranded.items():
+            refused.setdefault(sort, f"{reader.name} ({_op(reader)}) reads its rows before they are put back in "
+                                     f"token order, so the sort runs on the whole sequence")
+        if not (found or placed.whole_writes or placed.stranded):
+            return placed.fallbacks
 
 
 def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
@@ -91,9 +106,17 @@ def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
     return target is view
 
 
-def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], list[fx.Node], list[fx.Node]]:
-    """Place every node; returns the fallbacks, the views placed as views of a gathered copy, and the
-    views placed as a rank's part of a reduction (a position read: partial until reduced)."""
+@dataclass
+class _Placed:
+    fallbacks: list[Fallback] = field(default_factory=list)
+    copies: list[fx.Node] = field(default_factory=list)  # views placed as views of a gathered copy
+    reductions: list[fx.Node] = field(default_factory=list)  # views placed as a rank's part of a reduction
+    whole_writes: dict[fx.Node, fx.Node] = field(default_factory=dict)  # new buffer -> a write it must be whole for
+    stranded: dict[str, fx.Node] = field(default_factory=dict)  # local sort -> a node reading its rows unordered
+
+
+def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
+    """Place every node; returns what propagation must revisit."""
     feeds_attention = _ancestors(n for site in sites for n in (site.query, site.key, site.value))
     feeds_attention -= _ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
@@ -103,20 +126,17 @@ def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], l
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     feeds_attention -= {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     view = RuleView(_output_placement, ctx.world_size)
-    fallbacks: list[Fallback] = []
-    copies, reductions = [], []
+    placed = _Placed()
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if node.op in ("placeholder", "get_attr"):
             place(node, NodeSharding(_replicated_like(value), value))
         elif node.op == "output":
-            continue
+            _find_stranded(node, {}, view, placed)
         elif node in whole:
             place(node, NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
             if any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
-                fallbacks.append(_fallback_report(
-                    node, view, f"it is written in place and viewed by {whole[node].name}, which cannot stay "
-                                f"sharded, so it is kept whole"))
+                placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
@@ -124,14 +144,28 @@ def _place_all(gm, ctx, sites, bases, written, whole) -> tuple[list[Fallback], l
             place(node, NodeSharding(by_heads, value, inputs))
         else:
             sharding, fallback = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
-                                         seq_dims, seq_lengths)
-            fallbacks += [fallback] if fallback is not None else []
+                                         seq_dims, seq_lengths, refused.get(node.name))
+            placed.fallbacks += [fallback] if fallback is not None else []
             if may_alias(node) and fallback is not None:
-                copies.append(node)
-            elif may_alias(node) and is_rank_local(sharding.output) and not is_sharded(sharding.output):
-                reductions.append(node)
+                placed.copies.append(node)
+            elif may_alias(node) and isinstance(sharding.output, Partial):
+                placed.reductions.append(node)
+            written_whole = _write_in_place(node, sharding, view, bases)
+            if written_whole is not None:
+                placed.whole_writes.setdefault(written_whole, node)
+            _find_stranded(node, sharding.inputs, view, placed)
             place(node, sharding)
-    return fallbacks, copies, reductions
+    return placed
+
+
+def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed) -> None:
+    """Permuted rows (or positions into them) that ``node`` would read converted: they have no
+    conversion, so their sort must run on whole inputs instead."""
+    for arg in node.all_input_nodes:
+        have = view.actual_placement(arg)
+        if isinstance(have, (PermutedShard, Positions)) and inputs.get(arg) != have:
+            for sort in sort_orders(have):
+                placed.stranded.setdefault(sort, node)
 
 
 def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:
@@ -171,10 +205,15 @@ def _replicated_like(value):
 
 
 def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool,
-            seq_dims: dict, seq_lengths: list) -> tuple[NodeSharding, Fallback | None]:
-    rule = rule_for(node)
+            seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None]:
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
+    if any(is_permuted(p) for p in placements):
+        rule = rule_for(node, permuted=True)
+        decision = rule(node, view) if rule else None
+        if decision is not None:
+            return NodeSharding(decision.output, value, decision.inputs, decision.localize), None
+    rule = None if refused else rule_for(node)
     pending = {arg: completed(p) for arg, p in zip(tensor_args, placements)
                if not isinstance(p, tuple) and completed(p) != p}
     if pending:
@@ -188,7 +227,8 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
     decision = rule(node, view) if rule else None
     fallback = None
     if decision is None:
-        reason = "no sharding rule for this op" if rule is None else "its sharded inputs cannot stay sharded here"
+        reason = refused or ("no sharding rule for this op" if rule_for(node) is None
+                             else "its sharded inputs cannot stay sharded here")
         sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
         fallback = _fallback_report(node, view, reason)
     else:
@@ -196,7 +236,6 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
         if _writes_into_a_copy(node, sharding, view):
             sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
             fallback = _fallback_report(node, view, "it writes in place into a whole tensor, which stays whole")
-    _check_writes_in_place(node, sharding, view)
     return sharding, fallback
 
 
@@ -210,21 +249,26 @@ def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -
     return not is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have)
 
 
-def _check_writes_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView) -> None:
+def _write_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView, bases: dict) -> fx.Node | None:
     """An op that writes into a rank-local tensor must run on that very tensor, never on a gathered or
-    reduced copy: later readers of the tensor would miss the write."""
+    reduced copy: later readers of the tensor would miss the write. A new buffer (``zeros_like``) is then
+    made whole instead (returned); any other tensor is refused."""
     written = mutated_arg(node)
     if not isinstance(written, fx.Node):
-        return
+        return None
     have = view.actual_placement(written)
-    if is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have):
-        source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
-        raise UnsupportedError(
-            f"{node.name} ({node.target}) writes in place into {written.name}, which is "
-            f"{describe(have)} (split over the sequence-parallel ranks) here, and this op has no sharded "
-            f"form; write it out of place (for example x = x.relu() instead of x.relu_(), or torch.cat / "
-            f"torch.where instead of an indexed assignment). At: {' / '.join(line.strip() for line in source)}"
-        )
+    if not is_rank_local(have) or sharding.inputs.get(written, REPLICATE) == completed(have):
+        return None
+    base = bases.get(written, written)
+    if base.target in FRESH_BUFFERS:
+        return base
+    source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+    raise UnsupportedError(
+        f"{node.name} ({node.target}) writes in place into {written.name}, which is "
+        f"{describe(have)} (split over the sequence-parallel ranks) here, and this op has no sharded "
+        f"form; write it out of place (for example x = x.relu() instead of x.relu_(), or torch.cat / "
+        f"torch.where instead of an indexed assignment). At: {' / '.join(line.strip() for line in source)}"
+    )
 
 
 def _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) -> NodeSharding | None:
@@ -253,12 +297,16 @@ def _sequence_dim(value, seq_lengths) -> int | None:
     return dims[-1] if dims else None
 
 
+def _op(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
 def _fallback_report(node, view, reason) -> Fallback:
     sharded_inputs = [arg.name for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
     source = (node.meta.get("stack_trace") or "").strip().splitlines()
     return Fallback(
         node=node.name,
-        op=str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target)),
+        op=_op(node),
         reason=f"{reason}; gathered {', '.join(sharded_inputs)}",
         source=" / ".join(line.strip() for line in source[-2:]),
     )

@@ -50,6 +50,7 @@ from ulysses_compile.sharding import (
     Replicate,
     Shard,
     completed,
+    is_permuted,
     is_rank_local,
     is_sharded,
     place,
@@ -102,6 +103,9 @@ class _Redistributor:
                                                             ctx.group_name), node, done, before)
         if have == want or _same_blocks(have, want):
             return node
+        if is_permuted(have) or is_permuted(want):
+            raise InternalError(f"{node.name} is {have} and was asked for as {want}: rows in a rank's own order "
+                                f"have no conversion (propagate_sharding gathers their sort's input instead)")
         if self._all_to_all_ok(node, have, want):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
             length = sharding_of(node).global_value.shape[have.dim]

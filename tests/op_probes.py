@@ -257,6 +257,47 @@ def _gather_reversed_positions(h):
     return torch.gather(h, 1, positions) + h
 
 
+def _top_k_gates(h):
+    """A router's top-k: gates scattered over the experts, the chosen scores gathered, a one-hot."""
+    probs = h.softmax(dim=-1)
+    gates, experts = probs.topk(2, dim=-1)
+    dense = torch.zeros_like(probs).scatter(-1, experts, gates)
+    chosen = torch.gather(probs, -1, experts).sum(dim=-1, keepdim=True)
+    return h * dense + chosen + F.one_hot(experts[..., 0], h.shape[-1]).float()
+
+
+def _expert_of_each_slot(h):
+    flat = h.reshape(-1, h.shape[-1])
+    return flat, flat.topk(2, dim=-1).indices.reshape(-1) % 3
+
+
+def _sorted_rows_put_back(h):
+    """transformers' grouped experts: pairs sorted by expert, rows read at their tokens, scaled per
+    expert, and put back by the inverse permutation."""
+    flat, experts = _expert_of_each_slot(h)
+    experts_sorted, perm = torch.sort(experts)
+    rows = flat[perm // 2] * (experts_sorted.unsqueeze(-1) + 1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0))
+    return rows[inverse].view(flat.shape[0], 2, -1).sum(dim=1).view(h.shape)
+
+
+def _sorted_rows_added_back(h):
+    """A hand-written MoE: argsort by expert, each pair's token and expert weight, index_add_ back."""
+    flat, experts = _expert_of_each_slot(h)
+    order = experts.argsort()
+    tokens = order // 2
+    rows = flat[tokens] * (experts[order].unsqueeze(-1) + 1)
+    return torch.zeros_like(flat).index_add_(0, tokens, rows).view(h.shape)
+
+
+def _sorted_rows_read_unordered(h):
+    """Sorted rows read without being put back: the sort must see the whole sequence."""
+    flat, experts = _expert_of_each_slot(h)
+    rows = flat[experts.argsort() // 2]
+    return rows.view(flat.shape[0], 2, -1)[:, 0].view(h.shape) + h
+
+
 # The probes' ops that map the attention's output [B, S, D] to a value of the same shape, some returning
 # a view of their input or writing into it: the randomized tests chain them (test_properties.py) and
 # read the chain's input again at the end, so writes and views also cross from one step to the next.
@@ -274,6 +315,8 @@ STEPS = {
     "flat_view_read_after_a_write": _flat_view_read_after_a_write, "strided_alias": _strided_alias,
     "scaled_in_place": _scaled_in_place, "repeat_interleave_features": _interleaved_repeat, "roll_shift": _roll_shift, "causal_conv1d": _causal_conv1d,
     "mean_and_max_pool": _mean_and_max_pool, "gather_reversed_positions": _gather_reversed_positions,
+    "top_k_gates": _top_k_gates, "sorted_rows_put_back": _sorted_rows_put_back,
+    "sorted_rows_added_back": _sorted_rows_added_back, "sorted_rows_read_unordered": _sorted_rows_read_unordered,
 }
 
 
@@ -317,4 +360,8 @@ PROBES = {
     "causal_conv1d": lambda: Probe(_causal_conv1d),
     "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),
     "gather_reversed_positions": lambda: Probe(_gather_reversed_positions),
+    "top_k_gates": lambda: Probe(_top_k_gates),
+    "sorted_rows_put_back": lambda: Probe(_sorted_rows_put_back),
+    "sorted_rows_added_back": lambda: Probe(_sorted_rows_added_back),
+    "sorted_rows_read_unordered": lambda: Probe(_sorted_rows_read_unordered),
 }

@@ -241,10 +241,9 @@ def parallel_and_equal_to_eager(rank, world_size, name):
     assert all("parallelized" in site.decision for site in report.attention_sites), str(report)
     # q, k and v each turned to heads: by all-to-all, or, with fewer KV heads than ranks, k and v gathered
     assert sum(c.kind in ("seq_to_heads", "gather_kv_heads") for c in report.collectives) == 3 * sites, str(report)
-    # Nothing on the way to attention is gathered (DeepSeek-V3's MoE still is: issue 21).
-    assert not any(f.op in ("new_empty", "copy_") for f in report.fallbacks), str(report)
-    assert name != "t5" or report.fallbacks == [], str(report)
-    assert name != "gpt_oss_sinks" or {f.op for f in report.fallbacks} == {"topk", "getitem"}, str(report)
+    # Nothing is gathered, on the way to attention or in the MoE blocks, but gpt-oss's sliding-window
+    # cache (kept by the default use_cache=True) slicing the last keys.
+    assert all("sliding_window" in f.source for f in report.fallbacks), str(report)
     got.loss.backward()
     want = reference(**inputs)
     want.loss.backward()

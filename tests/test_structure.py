@@ -211,8 +211,7 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
         heads = model.config.num_attention_heads
         expected = [kv_heads] * 2 * layers + [heads] * layers + [heads // world_size] * layers
         assert sent_heads == sorted(expected)
-    routed = {"gpt_oss_sinks": {"topk", "getitem"}}.get(name, set())  # MoE routing and dispatch gather: issue 21
-    assert {fallback.op for fallback in gm.meta["ulysses_report"].fallbacks} == routed
+    assert gm.meta["ulysses_report"].fallbacks == []  # gpt-oss's MoE blocks too
 
 
 def test_mean_over_the_sequence_is_a_partial_sum(fake_group):

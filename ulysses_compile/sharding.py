@@ -7,6 +7,12 @@ each block short of the blocks before it) or ``MergedShard(d, outer, inner)``: d
 sequence with other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is
 sharded, so a rank holds ``outer`` separate blocks.
 
+Mixture-of-experts layers sort their tokens by expert and put them back (passes/rules/routing.py).
+Between, a rank holds ``PermutedShard(d, outer, inner, order)``: the rows of its block, permuted in an
+order of its own (the local sort ``order``), which has no place in the global tensor until put back.
+An index tensor whose values are this rank's positions into another value is ``Positions(rows, into)``.
+No conversion exists for either; propagation only keeps them where the rows are put back in order.
+
 These are the passes' own types, not DTensor's. DTensor's ``Shard(d)`` means ``torch.chunk``'s blocks
 (6 on 4 ranks: 2, 2, 2, 0); ours are balanced (2, 2, 1, 1), so no rank idles and none holds an empty
 block. DTensor is for what users and torch see: ZeRO's parameters and gradients (``zero.py``, chunk
@@ -42,10 +48,14 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Partial:
-    """The global value is the sum of the ranks' values."""
+    """The global value is the sum of the ranks' values. ``over`` names a local sort when the rank's
+    term counts the rows it permuted (per-expert token counts), which a grouped matmul over those very
+    rows reads as they are."""
+
+    over: str | None = None
 
     def __repr__(self) -> str:
-        return "Partial()"
+        return f"Partial(over={self.over})" if self.over else "Partial()"
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,36 @@ class MergedShard:
         return hash((self.dim, str(self.outer), str(self.inner)))
 
 
-Placement = Union[Replicate, Shard, Partial, PartialScan, MergedShard]
+@dataclass(frozen=True)
+class PermutedShard:
+    """The rows rank r holds under ``seq_shard(dim, outer, inner)``, permuted by the local sort named
+    ``order``: as many rows as that block, in an order no other rank shares."""
+
+    dim: int
+    outer: int
+    inner: int
+    order: str
+
+    def __repr__(self) -> str:
+        return f"PermutedShard(dim={self.dim}, outer={self.outer}, inner={self.inner}, order={self.order})"
+
+    def __hash__(self) -> int:
+        return hash((self.dim, str(self.outer), str(self.inner), self.order))
+
+
+@dataclass(frozen=True)
+class Positions:
+    """An index tensor laid out as ``rows`` whose values are this rank's own positions along the
+    sharded dim of a value laid out as ``into`` (a local sort's indices, or their inverse)."""
+
+    rows: "Placement"
+    into: "Placement"
+
+    def __repr__(self) -> str:
+        return f"Positions(rows={self.rows!r}, into={self.into!r})"
+
+
+Placement = Union[Replicate, Shard, Partial, PartialScan, MergedShard, PermutedShard, Positions]
 # A node's output placement: one placement, None for a non-tensor value, or a tuple for tuple outputs.
 OutputPlacement = Union[Placement, None, tuple]
 
@@ -144,7 +183,27 @@ def is_rank_local(placement: OutputPlacement) -> bool:
     """True when ranks hold different values (sharded or partial), so gradients flowing back are too."""
     if isinstance(placement, tuple):
         return any(is_rank_local(p) for p in placement)
-    return is_sharded(placement) or isinstance(placement, (Partial, PartialScan))
+    return is_sharded(placement) or isinstance(placement, (Partial, PartialScan, PermutedShard, Positions))
+
+
+def is_permuted(placement: OutputPlacement) -> bool:
+    """True for rows in a rank's own order, or positions into them: values with no global layout."""
+    if isinstance(placement, tuple):
+        return any(is_permuted(p) for p in placement)
+    return isinstance(placement, (PermutedShard, Positions)) or isinstance(placement, Partial) and bool(placement.over)
+
+
+def sort_orders(placement: OutputPlacement) -> set[str]:
+    """The local sorts a value's placement depends on."""
+    if isinstance(placement, tuple):
+        return set().union(*map(sort_orders, placement)) if placement else set()
+    if isinstance(placement, PermutedShard):
+        return {placement.order}
+    if isinstance(placement, Positions):
+        return sort_orders(placement.rows) | sort_orders(placement.into)
+    if isinstance(placement, Partial) and placement.over:
+        return {placement.over}
+    return set()
 
 
 def completed(placement: Placement) -> Placement:
@@ -159,11 +218,17 @@ def completed(placement: Placement) -> Placement:
 
 def with_dim(placement: Placement, dim: int) -> Placement:
     """The same sequence sharding, on another tensor dim."""
+    if isinstance(placement, PermutedShard):
+        return PermutedShard(dim, placement.outer, placement.inner, placement.order)
     _, outer, inner = seq_factors(placement)
     return seq_shard(dim, outer, inner)
 
 
 def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int, rank: int) -> tuple[int, ...]:
+    if isinstance(placement, Positions):
+        placement = placement.rows
+    if isinstance(placement, PermutedShard):
+        placement = seq_shard(placement.dim, placement.outer, placement.inner)
     factors = seq_factors(completed(placement))
     shape = tuple(shape)
     if factors is None:
@@ -205,7 +270,11 @@ def describe(placement: OutputPlacement) -> str:
     if isinstance(placement, MergedShard):
         return f"S({placement.dim}|{placement.outer}x.x{placement.inner})"
     if isinstance(placement, Partial):
-        return "P"
+        return f"P({placement.over})" if placement.over else "P"
+    if isinstance(placement, PermutedShard):
+        return f"S~{placement.order}({placement.dim}|{placement.outer}x.x{placement.inner})"
+    if isinstance(placement, Positions):
+        return f"I[{describe(placement.rows)}->{describe(placement.into)}]"
     if isinstance(placement, PartialScan):
         return f"P+({placement.dim})"
     return "R"

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ulysses_compile.compat import copy_recompute_tag
+from ulysses_compile.compat import copy_recompute_tag, op_name
 from ulysses_compile.sharding import REPLICATE, OutputPlacement, Placement, seq_factors
 
 Rule = Callable[[fx.Node, "RuleView"], "Decision | None"]
 _RULES: dict[object, Rule] = {}
+# Rules for nodes reading rows in a rank's own order (routing.py): kept apart, so that no rule written
+# for global layouts ever sees them.
+_PERMUTED_RULES: dict[object, Rule] = {}
 
 
 @dataclass
@@ -31,23 +34,28 @@ class Decision:
     localize: Callable | None = None
 
 
-def register(*targets) -> Callable[[Rule], Rule]:
-    """Targets are functions (``call_function``) or method names (``call_method``)."""
+def register(*targets, permuted: bool = False) -> Callable[[Rule], Rule]:
+    """Targets are functions (``call_function``) or method names (``call_method``); ``permuted``
+    registers the rule for nodes that read rows in a rank's own order."""
 
     def wrap(fn: Rule) -> Rule:
         for target in targets:
-            _RULES[target] = fn
+            (_PERMUTED_RULES if permuted else _RULES)[target] = fn
         return fn
 
     return wrap
 
 
-def rule_for(node: fx.Node) -> Rule | None:
+def rule_for(node: fx.Node, permuted: bool = False) -> Rule | None:
     if node.op in ("call_function", "call_method"):
+        table = _PERMUTED_RULES if permuted else _RULES
         try:
-            return _RULES.get(node.target)
+            rule = table.get(node.target)
         except TypeError:  # unhashable target
             return None
+        # A library's operator is registered by its name ("transformers::grouped_mm_fallback"): this
+        # package does not import the library that defines it.
+        return rule or table.get(op_name(node))
     return None
 
 
@@ -169,4 +177,4 @@ def mutated_arg(node: fx.Node):
 
 
 # Importing the families fills the registry.
-from . import attention, linalg, losses, pointwise, reductions, shape_ops  # noqa: E402,F401
+from . import attention, linalg, losses, pointwise, reductions, routing, shape_ops  # noqa: E402,F401

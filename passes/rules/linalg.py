@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ulysses_compile.sharding import REPLICATE, with_dim
+from ulysses_compile.sharding import PARTIAL, REPLICATE, seq_shard, with_dim
 
 from . import Decision, method_or_function_args, register
 
@@ -61,11 +61,12 @@ def matmul_rule(node, view):
             b_placement = REPLICATE
         return Decision(with_dim(view.placement(a), out_dim), {a: view.placement(a), b: b_placement})
     if a_factors is not None and b_factors is not None and min(a_value.dim(), b_value.dim()) >= 3:
-        # batched matmul of two operands sharded on the same batch dim (heads inside an attention)
+        # batched matmul of two operands sharded alike on the same batch dim (heads inside an attention,
+        # a token's rows with its experts' weights)
         a_dim, b_dim = a_factors[0], b_factors[0]
         out_dim = a_dim + out.dim() - a_value.dim()
-        if a_dim < a_value.dim() - 2 and out_dim == b_dim + out.dim() - b_value.dim() and a_factors == (a_dim, 1, 1) \
-                and b_factors == (b_dim, 1, 1):
+        if a_dim < a_value.dim() - 2 and out_dim == b_dim + out.dim() - b_value.dim() \
+                and a_factors[1:] == b_factors[1:]:
             return Decision(with_dim(view.placement(a), out_dim), {a: view.placement(a), b: view.placement(b)})
         return None
     if b_factors is not None and a_factors is None and b_value.dim() >= 2:
@@ -84,3 +85,40 @@ def embedding_rule(node, view):
     if view.sharded(ids) is None or args.get("max_norm") is not None or args.get("scale_grad_by_freq"):
         return None  # both look at the whole batch's ids (max_norm even rewrites the weight in place)
     return Decision(view.placement(ids), {ids: view.placement(ids), args["weight"]: REPLICATE})
+
+
+@register(torch.einsum)
+def einsum_rule(node, view):
+    """``einsum``: the sequence is one letter. Kept in the output, the output is sharded there; summed
+    over, each rank's term is ``Partial``. Every operand with that letter must be sharded on it alike,
+    and no replicated operand may have it."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    letters = inputs.split(",")
+    if len(letters) != len(operands):
+        return None
+    sharded = {}
+    for operand, subscript in zip(operands, letters):
+        factors = view.sharded(operand)
+        if factors is not None:
+            sharded[subscript[factors[0]]] = factors[1:]
+    if len(sharded) != 1:
+        return None
+    (letter, factors), = sharded.items()
+    if output.count(letter) > 1 or any(subscript.count(letter) > 1 for subscript in letters):
+        return None
+    demands = {}
+    for operand, subscript in zip(operands, letters):
+        if letter not in subscript:
+            demands[operand] = REPLICATE
+        elif view.sharded(operand) is None or view.sharded(operand) != (subscript.index(letter), *factors):
+            return None
+        else:
+            demands[operand] = view.placement(operand)
+    if letter not in output:
+        return Decision(PARTIAL, demands)
+    return Decision(seq_shard(output.index(letter), *factors), demands)

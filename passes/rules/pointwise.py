@@ -40,7 +40,7 @@ BINARY_FUNCTIONS = (
     torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.maximum, torch.minimum, torch.where,
     torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and,
     torch.logical_or, torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.lerp, torch.addcmul,
-    torch.addcdiv, torch.true_divide, torch.floor_divide, torch.remainder, torch.fmod, torch.atan2,
+    torch.addcdiv, torch.true_divide, torch.floor_divide, torch.remainder, torch.fmod, torch.atan2, torch.polar,
 )
 METHODS = (
     "abs", "cos", "sin", "exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid", "relu", "neg", "clamp",

@@ -225,6 +225,37 @@ def _repeat_interleave(node, dim, in_value, out):
     return dim if normalize_dim(along, in_value.dim()) != dim and in_value.dim() == out.dim() else None
 
 
+@register("repeat")
+def repeat_rule(node, view):
+    """``x.repeat(*sizes)``: tiles. Repeated r times along the sequence (a copy of the tokens per
+    expert, as Llama 4's MoE makes), the rank's block recurs in each tile: ``outer * r``."""
+    source = node.args[0]
+    factors = view.sharded(source)
+    sizes = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (list, tuple)) else node.args[1]
+    if factors is None or not all(isinstance(size, int) for size in sizes):
+        return None
+    dim, outer, inner = factors
+    out_dim = dim + len(sizes) - view.value(source).dim()
+    return Decision(seq_shard(out_dim, outer * sizes[out_dim], inner), {source: view.placement(source)})
+
+
+@register("repeat_interleave", torch.repeat_interleave)
+def repeat_interleave_rule(node, view):
+    """Along another dim, the dims stay; along the sequence (a token per top-k slot: ``[T, H]`` ->
+    ``[T*k, H]``) each token's copies sit next to it, merged after the sequence: ``inner * k``."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    factors = view.sharded(source)
+    args = method_or_function_args(node, ("input", "repeats", "dim"))
+    if factors is None or not isinstance(args.get("repeats"), int) or args.get("dim") is None \
+            or "output_size" in node.kwargs:
+        return None
+    value = view.value(source)
+    if normalize_dim(args["dim"], value.dim()) != factors[0]:
+        return _dim_map_rule(_repeat_interleave)(node, view)
+    dim, outer, inner = factors
+    return Decision(seq_shard(dim, outer, inner * args["repeats"]), {source: view.placement(source)})
+
+
 def _complex_view(node, dim, in_value, out):
     """``view_as_complex`` drops the trailing pair dim, ``view_as_real`` adds it: other dims stay."""
     return dim if dim < min(in_value.dim(), out.dim()) else None
@@ -232,7 +263,6 @@ def _complex_view(node, dim, in_value, out):
 
 register(*TRANSPOSES)(_dim_map_rule(_transpose))
 register("view_as_complex", torch.view_as_complex, "view_as_real", torch.view_as_real)(_dim_map_rule(_complex_view))
-register("repeat_interleave", torch.repeat_interleave)(_dim_map_rule(_repeat_interleave))
 register("permute", torch.permute)(_dim_map_rule(_permute))
 register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
 register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
@@ -259,7 +289,19 @@ def getitem_rule(node, view):
     placement = view.placement(source)
     if isinstance(placement, tuple):
         return Decision(placement[index], {})
+    if view.sharded(source) is None:
+        return _table_lookup(view, source, index)
     return _indexed(view, source, index)
+
+
+def _table_lookup(view, table, index) -> Decision | None:
+    """``table[ids]`` of a replicated table at sequence-sharded ids (an expert's weight per token): the
+    ids' dims come first, so the output is sharded as the ids are."""
+    entries = index_entries(index, view.value(table).dim()) if not isinstance(index, fx.Node) else [index]
+    ids, rest = entries[0], entries[1:]
+    if not isinstance(ids, fx.Node) or view.sharded(ids) is None or any(entry != slice(None) for entry in rest):
+        return None
+    return Decision(view.placement(ids), {table: REPLICATE, ids: view.placement(ids)})
 
 
 @register(operator.setitem)
@@ -379,14 +421,18 @@ def cat_rule(node, view):
 @register(torch.gather, "gather")
 def gather_rule(node, view):
     """``torch.gather(x, dim, index)``: each output element reads ``x`` where its index says, so the
-    output is sharded like ``index``; ``x`` is read whole along ``dim`` and row-aligned elsewhere."""
+    output is sharded like ``index``; ``x`` is read whole along ``dim`` and row-aligned elsewhere (a
+    token's own scores at its top-k experts when both are sharded alike)."""
     args = method_or_function_args(node, ("input", "dim", "index"))
     source, dim, index = args["input"], args["dim"], args["index"]
     factors = view.sharded(index)
+    x = view.value(source)
+    if factors is not None and view.placement(source) == view.placement(index) \
+            and normalize_dim(dim, x.dim()) != factors[0] and x.shape[factors[0]] == view.value(index).shape[factors[0]]:
+        return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
     if factors is None or view.sharded(source) is not None or factors[1:] != (1, 1):
         return None
     seq_dim = factors[0]
-    x = view.value(source)
     if normalize_dim(dim, x.dim()) == seq_dim:
         return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
     if x.shape[seq_dim] != view.value(index).shape[seq_dim]:

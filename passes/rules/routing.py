@@ -1,0 +1,404 @@
+"""Mixture-of-experts routing on a rank's own tokens.
+
+Routing is token-local: a token's router scores, top-k experts and weights, and its expert outputs
+depend on that token alone. Selections along the expert dim (top-k, sort, one-hot, gather, scatter)
+therefore keep the sequence sharding.
+
+Dispatch sorts the (token, slot) pairs by expert, runs each expert on its contiguous rows (a grouped
+matmul with per-expert offsets) and puts the rows back. A rank sorts its own rows: the result is
+``PermutedShard(order=the sort)``, its rows in an order no other rank shares, and the sort's indices are
+``Positions``: this rank's positions into its block. Only the rules registered here with
+``permuted=True`` read such values, and the rows leave that order only where they are put back in
+token order: indexed by the inverse permutation (``inv[perm] = arange(n)``), or added into a token
+buffer at their positions (``index_add_``). Per-expert counts of the sorted rows (``histc``) are the
+rank's own counts, ``Partial(over=the sort)``: a grouped matmul over the same rows reads them as they
+are; any other reader completes them (the global counts). Anything else that reads the permuted rows
+strands them, and propagation then gathers the sort's input instead (``propagate_sharding``).
+
+    ids = topk(probs, k).indices.reshape(-1)        # S(0|1x.xk)    token-local
+    ids_g, perm = sort(ids)                          # S~sort, I[S~sort->S(0|1x.xk)]
+    rows = h[perm // k]                              # S~sort        h: S(0)
+    counts = histc(ids_g.float(), E)                 # P(sort)
+    out = grouped_mm(rows, w, offs=cumsum(counts))   # S~sort
+    inv = empty_like(perm); inv[perm] = arange(n)    # I[S(0|1x.xk)->S~sort]  (arange: this rank's n)
+    back = out[inv]                                  # S(0|1x.xk)   in token order again
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ulysses_compile.sharding import (
+    PARTIAL,
+    REPLICATE,
+    NodeSharding,
+    Partial,
+    PermutedShard,
+    Positions,
+    Shard,
+    local_shape,
+    place,
+    seq_factors,
+    seq_shard,
+    sharding_of,
+    with_dim,
+)
+from ulysses_compile.sizes import size_arg
+
+from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
+from .pointwise import BINARY_FUNCTIONS, METHODS, UNARY_FUNCTIONS
+from .shape_ops import (
+    SPLITS,
+    _global_size,
+    _indexed,
+    TRANSPOSES,
+    UNBINDS,
+    _permute,
+    _squeeze,
+    _transpose,
+    _unsqueeze,
+)
+
+SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort, "msort")
+_SELECTION_PARAMS = {"topk": ("input", "k", "dim"), "sort": ("input", "dim"), "argsort": ("input", "dim")}
+
+
+def _selection_dim(node, value) -> int:
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    return normalize_dim(method_or_function_args(node, _SELECTION_PARAMS[name], {"dim": -1})["dim"], value.dim())
+
+
+@register(*SELECTIONS[:-1])
+def selection_rule(node, view):
+    """Top-k, sort and argsort along a dim other than the sequence: each token's own selection. A sort
+    of a 1-D sequence-sharded tensor along it sorts the rank's rows (see the module docstring)."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    factors = view.sharded(source)
+    value = view.value(source)
+    if factors is None:
+        return None
+    placement = view.placement(source)
+    outputs = view.value(node)
+    if _selection_dim(node, value) != factors[0]:
+        return Decision(tuple(placement for _ in outputs) if isinstance(outputs, tuple) else placement,
+                        {source: placement})
+    if value.dim() != 1 or node.target in ("topk", torch.topk):
+        return None
+    rows = PermutedShard(0, factors[1], factors[2], node.name)
+    positions = Positions(rows, placement)
+    return Decision((rows, positions) if isinstance(outputs, tuple) else positions, {source: placement})
+
+
+@register(F.one_hot, torch.nn.functional.one_hot)
+def one_hot_rule(node, view):
+    source = node.args[0] if node.args else node.kwargs["tensor"]
+    if view.sharded(source) is None:
+        return None
+    return Decision(view.placement(source), {source: view.placement(source)})
+
+
+@register("histc", torch.histc, "bincount", torch.bincount)
+def count_rule(node, view):
+    """Counts over the rank's elements: their sum over ranks is the global count."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    weights = method_or_function_args(node, ("input", "weights")).get("weights") \
+        if node.target in ("bincount", torch.bincount) else None
+    if view.sharded(source) is None or isinstance(weights, fx.Node):
+        return None
+    return Decision(PARTIAL, {source: view.placement(source)})
+
+
+SCATTERS = ("scatter", torch.scatter, "scatter_", "scatter_add", torch.scatter_add, "scatter_add_",
+            "scatter_reduce", torch.scatter_reduce, "scatter_reduce_")
+
+
+@register(*SCATTERS)
+def scatter_rule(node, view):
+    """``x.scatter_(d, index, src)`` along a dim other than the sequence: each token writes its own row
+    (DeepSeek-V3's group mask)."""
+    args = method_or_function_args(node, ("input", "dim", "index", "src"))
+    target, index = args["input"], args["index"]
+    factors = view.sharded(target)
+    if factors is None or normalize_dim(args["dim"], view.value(target).dim()) == factors[0]:
+        return None
+    placement = view.placement(target)
+    demands = {target: placement, index: placement}
+    source = args.get("src", args.get("value"))
+    if isinstance(source, fx.Node) and view.is_tensor(source):
+        demands[source] = placement
+    if any(view.value(arg).shape[factors[0]] != view.value(target).shape[factors[0]] for arg in demands):
+        return None
+    return Decision(placement, demands)
+
+
+LIKE = ("empty_like", torch.empty_like, "zeros_like", torch.zeros_like, "ones_like", torch.ones_like,
+        "full_like", torch.full_like, "rand_like", "randn_like")
+FRESH_BUFFERS = frozenset({*LIKE, "new_empty", "new_zeros", "new_ones", "new_full"})
+
+
+@register(*LIKE[:8])
+def like_rule(node, view):
+    """A new tensor shaped like a sharded one: each rank makes its block. Its values are not read; a
+    later write that cannot stay sharded makes propagation keep it whole (``propagate_sharding``)."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    if view.sharded(source) is None:
+        return None
+    return Decision(view.placement(source), {source: view.placement(source)})
+
+
+# Rules for the permuted rows.
+
+
+def _permuted_like(view, node, args) -> Decision | None:
+    """Elementwise on rows of one order: every permuted input in that order along the same output dim,
+    every other input replicated and broadcast along it."""
+    out = view.value(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    targets = set()
+    for arg in args:
+        placement = view.placement(arg)
+        if isinstance(placement, PermutedShard):
+            value = view.value(arg)
+            out_dim = placement.dim + out.dim() - value.dim()
+            if value.shape[placement.dim] != out.shape[out_dim]:
+                return None
+            targets.add(with_dim(placement, out_dim))
+        elif placement is not None and placement != REPLICATE:
+            return None
+    if len(targets) != 1:
+        return None
+    target = targets.pop()
+    demands = {}
+    for arg in args:
+        placement = view.placement(arg)
+        if isinstance(placement, PermutedShard):
+            demands[arg] = placement
+            continue
+        dim = target.dim - (out.dim() - view.value(arg).dim())
+        if dim >= 0 and view.value(arg).shape[dim] != 1:
+            return None
+        demands[arg] = REPLICATE
+    return Decision(target, demands)
+
+
+@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *METHODS, *LIKE, permuted=True)
+def permuted_pointwise_rule(node, view):
+    if node.target in (operator.floordiv, torch.floor_divide, "floor_divide") or node.target in ("div", torch.div) \
+            and node.kwargs.get("rounding_mode") in ("floor", "trunc"):
+        return _positions_divided(node, view)
+    if node.target in LIKE:
+        return _like_permuted(node, view)
+    return _permuted_like(view, node, view.tensor_args(node))
+
+
+def _positions_divided(node, view) -> Decision | None:
+    """``perm // k``: positions into ``[.., S, k]`` merged rows become positions into ``[.., S]``."""
+    positions, divisor = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    placement = view.placement(positions)
+    factors = seq_factors(placement.into) if isinstance(placement, Positions) else None
+    if factors is None or not isinstance(divisor, int) or divisor <= 0 or factors[2] % divisor:
+        return None
+    into = seq_shard(factors[0], factors[1], factors[2] // divisor)
+    return Decision(Positions(placement.rows, into), {positions: placement})
+
+
+def _like_permuted(node, view) -> Decision | None:
+    """A new tensor shaped like permuted rows or positions. Shaped like a sort's indices, it is taken to be
+    the inverse permutation about to be written (``inv[perm] = arange(n)``): laid out in token order, its
+    values positions into the sorted rows; any other write into it strands the sort."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    placement = view.placement(source)
+    if isinstance(placement, PermutedShard):
+        return Decision(placement, {source: placement})
+    if isinstance(placement, Positions) and isinstance(placement.rows, PermutedShard) \
+            and seq_factors(placement.into) is not None and node.target in ("empty_like", torch.empty_like):
+        return Decision(Positions(placement.into, placement.rows), {source: placement})
+    return None
+
+
+@register(operator.setitem, permuted=True)
+def inverse_permutation_rule(node, view):
+    """``inv[perm] = arange(n)`` into ``inv = empty_like(perm)``: the inverse of this rank's sort. The
+    arange counts this rank's rows."""
+    target, index, value = node.args
+    have, positions = view.placement(target), view.placement(index)
+    if not (isinstance(positions, Positions) and isinstance(positions.rows, PermutedShard)
+            and have == Positions(positions.into, positions.rows) and _is_arange_over(value, view.value(index))):
+        return None
+    return Decision(have, {target: have, index: positions, value: REPLICATE}, _localize_arange)
+
+
+def _is_arange_over(value, indices) -> bool:
+    if not isinstance(value, fx.Node) or value.target is not torch.arange or value.kwargs.get("dtype") not in (None, indices.dtype):
+        return False
+    bounds = value.args if len(value.args) != 1 else (0, value.args[0])
+    return len(bounds) == 2 and bounds[0] == 0 and value.meta["example_value"].shape == indices.shape
+
+
+def _localize_arange(node: fx.Node, sharding, ctx) -> None:
+    target, index, value = node.args
+    (count,) = local_shape(sharding_of(index).global_value.shape, sharding.inputs[index], ctx.world_size, ctx.rank)
+    local = insert_part(node, "call_function", torch.arange, (size_arg(node.graph, count, before=node),), value.kwargs)
+    place(local, NodeSharding(REPLICATE, None))
+    node.args = (target, index, local)
+
+
+@register(operator.getitem, permuted=True)
+def permuted_getitem_rule(node, view):
+    """A tuple's part, or rows gathered at positions: ``h[perm // k]`` (into ``h``'s token rows: the
+    rows in the sort's order), ``out[inv]`` (into the sorted rows: token order again) and
+    ``bias[expert_ids]`` (a replicated table read at the rank's rows)."""
+    source, index = node.args
+    placement = view.placement(source)
+    if isinstance(placement, tuple):
+        return Decision(placement[index], {})
+    entries = index_entries(index, view.value(source).dim()) if not isinstance(index, fx.Node) else [index]
+    first, rest = entries[0], entries[1:]
+    if isinstance(placement, PermutedShard) and not any(isinstance(entry, fx.Node) for entry in entries):
+        # Basic indexing that leaves the rows whole (gpt-oss's gate_up[..., ::2]).
+        as_sharded = _indexed(view.overridden({source: seq_shard(placement.dim)}), source, index)
+        if as_sharded is None or as_sharded.localize is not None or not isinstance(as_sharded.output, Shard):
+            return None
+        return Decision(with_dim(placement, as_sharded.output.dim), {source: placement})
+    if not isinstance(first, fx.Node) or any(entry != slice(None) for entry in rest):
+        return None
+    positions = view.placement(first)
+    if isinstance(positions, Positions) and placement == positions.into:
+        return Decision(positions.rows, {source: placement, first: positions})
+    if isinstance(positions, PermutedShard) and placement == REPLICATE and view.value(first).dim() == 1:
+        return Decision(positions, {source: REPLICATE, first: positions})
+    return None
+
+
+@register("unsqueeze", torch.unsqueeze, "squeeze", torch.squeeze, *TRANSPOSES, "permute", torch.permute,
+          permuted=True)
+def permuted_dims_rule(node, view):
+    mapping = {"unsqueeze": _unsqueeze, torch.unsqueeze: _unsqueeze, "squeeze": _squeeze, torch.squeeze: _squeeze,
+               "permute": _permute, torch.permute: _permute}.get(node.target, _transpose)
+    source = node.args[0]
+    placement = view.placement(source)
+    if not isinstance(placement, PermutedShard):
+        return None
+    out_dim = mapping(node, placement.dim, view.value(source), view.value(node))
+    return None if out_dim is None else Decision(with_dim(placement, out_dim), {source: placement})
+
+
+@register(*SPLITS, *UNBINDS, permuted=True)
+def permuted_split_rule(node, view):
+    """Splits along a dim other than the rows (a fused gate/up projection's two halves)."""
+    source = node.args[0]
+    placement = view.placement(source)
+    outputs = view.value(node)
+    if not isinstance(placement, PermutedShard) or not isinstance(outputs, (tuple, list)):
+        return None
+    unbind = node.target in UNBINDS
+    names = ("input", "dim") if unbind else ("input", "sections", "dim")
+    dim = normalize_dim(method_or_function_args(node, names, {"dim": 0})["dim"], view.value(source).dim())
+    if dim == placement.dim:
+        return None
+    part = with_dim(placement, placement.dim - (1 if unbind and dim < placement.dim else 0))
+    return Decision(tuple(part for _ in outputs), {source: placement})
+
+
+@register("histc", torch.histc, "bincount", torch.bincount, permuted=True)
+def permuted_count_rule(node, view):
+    """Per-expert counts of the sorted rows: the rank's own counts, what its grouped matmul needs."""
+    source = node.args[0]
+    placement = view.placement(source)
+    if not isinstance(placement, PermutedShard) or len(node.all_input_nodes) != 1:
+        return None
+    return Decision(Partial(over=placement.order), {source: placement})
+
+
+@register("cumsum", torch.cumsum, permuted=True)
+def permuted_cumsum_rule(node, view):
+    """Offsets from counts: a cumulative sum along the experts is still the rank's own."""
+    source = node.args[0]
+    placement = view.placement(source)
+    if not (isinstance(placement, Partial) and placement.over):
+        return None
+    return Decision(placement, {source: placement})
+
+
+@register("transformers::grouped_mm_fallback", torch._grouped_mm, F.grouped_mm, permuted=True)
+def grouped_mm_rule(node, view):
+    """``grouped_mm(rows, weight, offs)``: row block e (``offs[e-1]:offs[e]``) times ``weight[e]``. On a
+    rank's sorted rows with its own counts, every row meets its expert."""
+    args = method_or_function_args(node, ("input", "weight", "offs"))
+    rows, weight, offsets = args["input"], args["weight"], args.get("offs")
+    placement = view.placement(rows)
+    if not (isinstance(placement, PermutedShard) and placement.dim == 0 and view.value(rows).dim() == 2
+            and view.placement(weight) == REPLICATE and isinstance(offsets, fx.Node)
+            and view.placement(offsets) == Partial(over=placement.order)):
+        return None
+    return Decision(placement, {rows: placement, weight: REPLICATE, offsets: view.placement(offsets)})
+
+
+@register(torch.bmm, "bmm", torch.matmul, operator.matmul, "matmul", permuted=True)
+def permuted_bmm_rule(node, view):
+    """Row-batched matmuls of rows in one order (each row with its expert's weight)."""
+    a, b = node.args[:2]
+    pa, pb = view.placement(a), view.placement(b)
+    if isinstance(pa, PermutedShard) and pa == pb and pa.dim == 0 and view.value(a).dim() == view.value(b).dim() == 3:
+        return Decision(pa, {a: pa, b: pb})
+    if isinstance(pa, PermutedShard) and pb == REPLICATE and view.value(b).dim() <= 2 \
+            and pa.dim < view.value(a).dim() - 1:
+        return Decision(with_dim(pa, pa.dim + view.value(node).dim() - view.value(a).dim()), {a: pa, b: REPLICATE})
+    return None
+
+
+@register(torch._C._nn.linear, F.linear, permuted=True)
+def permuted_linear_rule(node, view):
+    args = method_or_function_args(node, ("input", "weight", "bias"))
+    x = args["input"]
+    placement = view.placement(x)
+    if not isinstance(placement, PermutedShard) or placement.dim == view.value(x).dim() - 1:
+        return None
+    demands = {x: placement, args["weight"]: REPLICATE}
+    if isinstance(args.get("bias"), fx.Node):
+        demands[args["bias"]] = REPLICATE
+    return Decision(placement, demands)
+
+
+@register("sum", torch.sum, permuted=True)
+def permuted_sum_rule(node, view):
+    """A sum over the permuted rows is the rank's part of the sum over its tokens; over other dims the
+    rows stay."""
+    source = node.args[0]
+    placement = view.placement(source)
+    if not isinstance(placement, PermutedShard):
+        return None
+    value = view.value(source)
+    dims = method_or_function_args(node, ("input", "dim", "keepdim")).get("dim")
+    dims = list(range(value.dim())) if dims is None else [normalize_dim(d, value.dim())
+                                                          for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if placement.dim in dims:
+        return Decision(PARTIAL, {source: placement})
+    keepdim = method_or_function_args(node, ("input", "dim", "keepdim")).get("keepdim", False)
+    return Decision(with_dim(placement, placement.dim - (0 if keepdim else sum(d < placement.dim for d in dims))),
+                    {source: placement})
+
+
+@register("index_add", torch.index_add, "index_add_", "index_copy", torch.index_copy, "index_copy_", permuted=True)
+def put_back_rule(node, view):
+    """``tokens.index_add_(0, positions, rows)``: the sorted rows added back at their tokens' positions."""
+    args = method_or_function_args(node, ("input", "dim", "index", "source"))
+    target, index, rows = args["input"], args["index"], args["source"]
+    have, positions = view.placement(target), view.placement(index)
+    if not (isinstance(positions, Positions) and have == positions.into and seq_factors(have) is not None
+            and seq_factors(have)[0] == normalize_dim(args["dim"], view.value(target).dim()) == 0
+            and view.placement(rows) == positions.rows):
+        return None
+    return Decision(have, {target: have, index: positions, rows: positions.rows})
+
+
+@register("size", permuted=True)
+def permuted_size_rule(node, view):
+    """The program asked for the global size, as of a sequence-sharded value."""
+    source = node.args[0]
+    return Decision(None, {source: view.placement(source)}, _global_size)

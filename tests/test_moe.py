@@ -1,0 +1,142 @@
+"""Mixture-of-experts layers on each rank's tokens: routing, dispatch, the experts and the auxiliary
+losses run on the rank's S/P tokens, nothing gathered, equal to eager on real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moe_gpt
+from graphs import rewritten_graphs
+from models import VOCAB, token_batch
+from multirank import compare_model, run_ranks
+from op_probes import PROBES
+
+SEQ = 24
+
+
+def _hf_moe(name: str, experts: str = "grouped_mm"):
+    import transformers as t
+
+    torch.manual_seed(0)
+    shared = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_experts_per_tok=2, max_position_embeddings=64)
+    if name == "mixtral":  # Mixtral's load-balancing loss joins the loss
+        config = t.MixtralConfig(intermediate_size=32, num_local_experts=4, output_router_logits=True,
+                                 router_aux_loss_coef=0.1, **shared)
+        model = t.MixtralForCausalLM(config)
+    elif name == "qwen3_moe":  # a shared expert-free MoE with its own top-k normalisation
+        config = t.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **shared)
+        model = t.Qwen3MoeForCausalLM(config)
+    else:  # DeepSeek-V3: sigmoid scores, a bias for the choice, group-limited routing, a shared expert
+        shared.update(num_key_value_heads=4, head_dim=None)
+        config = t.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=16, n_shared_experts=1,
+                                    n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=0,
+                                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                    v_head_dim=8, **{k: v for k, v in shared.items() if v is not None})
+        model = t.DeepseekV3ForCausalLM(config)
+    model.config._experts_implementation = experts
+    for module in model.modules():
+        if getattr(module, "config", None) is not None:
+            module.config._experts_implementation = experts
+    ids, labels = token_batch(seq=SEQ)
+    return model, {"input_ids": ids, "labels": labels, "use_cache": False}
+
+
+CASES = {
+    "mixtral": lambda: _hf_moe("mixtral"),
+    "mixtral_batched_mm": lambda: _hf_moe("mixtral", "batched_mm"),
+    "qwen3_moe": lambda: _hf_moe("qwen3_moe"),
+    "deepseek_v3": lambda: _hf_moe("deepseek_v3"),
+    "moe_gpt_sorted": lambda: _plain("sorted"),
+    "moe_gpt_dense": lambda: _plain("dense"),
+}
+
+
+def _plain(dispatch: str):
+    model, (ids,), kwargs = moe_gpt.make(seq_len=SEQ, dispatch=dispatch)
+    return model, {"idx": ids, **kwargs}
+
+
+def _results(output) -> dict:
+    if isinstance(output, tuple):
+        logits, loss = output
+        return {"loss": loss, "logits": logits}
+    results = {"loss": output.loss, "logits": output.logits}
+    if getattr(output, "aux_loss", None) is not None:
+        results["aux_loss"] = output.aux_loss
+    return results
+
+
+def _assert_token_local(reports) -> None:
+    """Every attention parallelized by all-to-alls and nothing gathered, in every graph with attention;
+    a graph without attention (Mixtral's loss, after transformers' router-logit capture breaks the
+    graph) runs whole and says why."""
+    with_attention = [report for report in reports if report.attention_sites]
+    assert with_attention, [str(report) for report in reports]
+    for report in with_attention:
+        assert not report.replicated, str(report)
+        assert all("parallelized" in site.decision for site in report.attention_sites), str(report)
+        assert sum(c.kind == "seq_to_heads" for c in report.collectives) >= 3 * len(report.attention_sites), str(report)
+        assert report.fallbacks == [], str(report)
+    assert all(report.replicated for report in reports if not report.attention_sites)
+
+
+def moe_equal_to_eager(rank, world_size, names):
+    from ulysses_compile.backend import ulysses
+
+    for name in names:
+        model, inputs = CASES[name]()
+        reference = copy.deepcopy(model)
+        reports = []
+
+        def backend(gm, example_inputs):
+            compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
+            reports.append(gm.meta["ulysses_report"])
+            return compiled
+
+        torch.compiler.reset()
+        got = _results(torch.compile(model, backend=backend)(**inputs))
+        _assert_token_local(reports)
+        got["loss"].backward()
+        want = _results(reference(**inputs))
+        want["loss"].backward()
+        assert got.keys() == want.keys() and (name != "mixtral" or want["aux_loss"].item() > 0)
+        compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_moe_models_run_on_the_ranks_tokens(world_size):
+    """Mixtral (with its load-balancing loss), Qwen3-MoE, DeepSeek-V3 (group-limited routing, shared
+    expert) with transformers' default grouped experts, Mixtral with batched experts, and a plain-PyTorch
+    top-k MoE (sorted and dense dispatch, load-balancing and z-losses): loss, logits, auxiliary loss and
+    every gradient equal eager; every attention parallel; nothing gathered."""
+    names = list(CASES) if world_size == 4 else ["mixtral", "deepseek_v3", "moe_gpt_sorted", "moe_gpt_dense"]
+    run_ranks(moe_equal_to_eager, world_size, names)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_more_moe_forms_at_two_ranks():
+    run_ranks(moe_equal_to_eager, 2, ["mixtral_batched_mm", "qwen3_moe"])
+
+
+@pytest.mark.parametrize("name", ["top_k_gates", "sorted_rows_put_back", "sorted_rows_added_back"])
+def test_routing_probes_gather_nothing(fake_group, name):
+    fake_group(2)
+    graphs = rewritten_graphs(PROBES[name](), (torch.randint(0, 32, (2, 15)),))
+    reports = [gm.meta["ulysses_report"] for gm in graphs]
+    assert [f for report in reports for f in report.fallbacks] == []
+
+
+def test_sorted_rows_read_out_of_order_sort_the_whole_sequence(fake_group):
+    """Sorted rows read before they are put back in token order have no per-rank meaning: the sort
+    runs on the gathered sequence, and the report names the reader."""
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES["sorted_rows_read_unordered"](), (torch.randint(0, 32, (2, 15)),))
+    fallbacks = gm.meta["ulysses_report"].fallbacks
+    assert [f.op for f in fallbacks] == ["argsort", "getitem"], fallbacks
+    assert "reads its rows before they are put back in token order" in fallbacks[0].reason
