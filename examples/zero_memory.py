@@ -3,9 +3,11 @@
     python examples/zero_memory.py                  # P = 2
     python examples/zero_memory.py --world-size 4 --seq-len 4096
     python examples/zero_memory.py --checkpointing  # gradient checkpointing on every decoder layer
+    python examples/zero_memory.py --model mixtral  # 8 experts, top-2, transformers' grouped experts
 
-For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers) and one global batch, each rank
-reports, after a training step with AdamW:
+For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers; or a Mixtral of the same
+proportions with 8 experts of a quarter of the MLP's width) and one global batch, each rank reports,
+after a training step with AdamW:
 
 - the bytes of parameters, gradients and AdamW state it holds, counted from the tensors
   (``model.parameters()``, their ``.grad``, the optimizer's state): exact; the ideal at stages 1-3 is 1/P;
@@ -29,20 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 # glibc's allocator, told to return every block over 64 KiB at once, so freed tensors do not linger in
 # it; read when a process starts.
 MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", str(64 * 1024)
 
 
-def build_model(seq_len: int, checkpointing: bool = False) -> LlamaForCausalLM:
+def build_model(seq_len: int, checkpointing: bool = False, kind: str = "llama"):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len,
-    )
-    model = LlamaForCausalLM(config).train()
+    shape = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=seq_len)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=172, num_local_experts=8, num_experts_per_tok=2,
+                                                 **shape))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=688, **shape))
+    model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -104,7 +109,7 @@ def run(rank: int, world_size: int, port: int, args) -> None:
 
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     def model():
-        return build_model(args.seq_len, args.checkpointing)
+        return build_model(args.seq_len, args.checkpointing, args.model)
 
     rows = {"1 device": figures(ulysses_compile.parallelize(model(), zero_stage=0, group=alone,
                                                             compiler=args.compiler), args.seq_len)}
@@ -115,7 +120,7 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
         single = worst["1 device"]
-        print(f"P = {world_size}, S = {args.seq_len}, compiler {args.compiler}"
+        print(f"{args.model}, P = {world_size}, S = {args.seq_len}, compiler {args.compiler}"
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager"))
     parser.add_argument("--checkpointing", action="store_true",
                         help="transformers' gradient checkpointing on every decoder layer (non-reentrant)")
+    parser.add_argument("--model", default="llama", choices=("llama", "mixtral"))
     launch(run, parser.parse_args())
 
 

@@ -79,7 +79,9 @@ def _assert_token_local(reports) -> None:
     for report in with_attention:
         assert not report.replicated, str(report)
         assert all("parallelized" in site.decision for site in report.attention_sites), str(report)
-        assert sum(c.kind == "seq_to_heads" for c in report.collectives) >= 3 * len(report.attention_sites), str(report)
+        # q, k and v each turned to heads: by all-to-all, or, with fewer KV heads than ranks, k and v gathered
+        turned = sum(c.kind in ("seq_to_heads", "gather_kv_heads") for c in report.collectives)
+        assert turned == 3 * len(report.attention_sites), str(report)
         assert report.fallbacks == [], str(report)
     assert all(report.replicated for report in reports if not report.attention_sites)
 
