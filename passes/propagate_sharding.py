@@ -49,7 +49,7 @@ from ulysses_compile.sharding import (
     sort_orders,
 )
 
-from .in_place_writes import alias_bases, may_alias, written_bases
+from .in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
 from .rules.routing import FRESH_BUFFERS
 from .sequence_dims import sequence_dims
@@ -89,9 +89,10 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
                     f"copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
                 )
             whole[base] = f"it is written in place and viewed by {view.name}, which cannot stay sharded, so it is kept whole"
-        for base, writer in placed.whole_writes.items():
-            whole.setdefault(base, f"{writer.name} ({_op(writer)}) writes into it in a way that cannot stay sharded, "
-                                   f"so it is made whole")
+        for base, (writer, refusal) in placed.whole_writes.items():
+            if base in whole or not (base.target in FRESH_BUFFERS or is_gathering_index(base)):
+                raise UnsupportedError(refusal)
+            whole[base] = f"{writer.name} ({_op(writer)}) writes into it in a way that cannot stay sharded, so it is made whole"
         for sort, reader in placed.stranded.items():
             refused.setdefault(sort, f"{reader.name} ({_op(reader)}) reads its rows before they are put back in "
                                      f"token order, so the sort runs on the whole sequence")
@@ -111,7 +112,8 @@ class _Placed:
     fallbacks: list[Fallback] = field(default_factory=list)
     copies: list[fx.Node] = field(default_factory=list)  # views placed as views of a gathered copy
     reductions: list[fx.Node] = field(default_factory=list)  # views placed as a rank's part of a reduction
-    whole_writes: dict[fx.Node, fx.Node] = field(default_factory=dict)  # new buffer -> a write it must be whole for
+    # a written value's base -> the write that cannot stay sharded, and the error if the base cannot be made whole
+    whole_writes: dict[fx.Node, tuple[fx.Node, str]] = field(default_factory=dict)
     stranded: dict[str, fx.Node] = field(default_factory=dict)  # local sort -> a node reading its rows unordered
 
 
@@ -135,6 +137,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
             _find_stranded(node, {}, view, placed)
         elif node in whole:
             place(node, NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
+            _find_stranded(node, sharding_of(node).inputs, view, placed)
             if any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in head_parallel:
@@ -152,7 +155,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                 placed.reductions.append(node)
             written_whole = _write_in_place(node, sharding, view, bases)
             if written_whole is not None:
-                placed.whole_writes.setdefault(written_whole, node)
+                placed.whole_writes.setdefault(written_whole[0], (node, written_whole[1]))
             _find_stranded(node, sharding.inputs, view, placed)
             place(node, sharding)
     return placed
@@ -161,9 +164,11 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
 def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed) -> None:
     """Permuted rows (or positions into them) that ``node`` would read converted: they have no
     conversion, so their sort must run on whole inputs instead."""
+    written = mutated_arg(node)
     for arg in node.all_input_nodes:
         have = view.actual_placement(arg)
-        if isinstance(have, (PermutedShard, Positions)) and inputs.get(arg) != have:
+        if isinstance(have, (PermutedShard, Positions)) and inputs.get(arg) != have \
+                or arg is written and isinstance(have, Partial) and have.over:  # a write into the rank's own counts
             for sort in sort_orders(have):
                 placed.stranded.setdefault(sort, node)
 
@@ -213,6 +218,9 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
         decision = rule(node, view) if rule else None
         if decision is not None:
             return NodeSharding(decision.output, value, decision.inputs, decision.localize), None
+        if any(isinstance(p, (PermutedShard, Positions)) for p in placements):
+            # No rule for global layouts may read them: propagation makes their sort run whole instead.
+            return NodeSharding(_replicated_like(value), value, replicate_all(view, node)), None
     rule = None if refused else rule_for(node)
     pending = {arg: completed(p) for arg, p in zip(tensor_args, placements)
                if not isinstance(p, tuple) and completed(p) != p}
@@ -249,21 +257,19 @@ def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -
     return not is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have)
 
 
-def _write_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView, bases: dict) -> fx.Node | None:
+def _write_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView, bases: dict) -> tuple[fx.Node, str] | None:
     """An op that writes into a rank-local tensor must run on that very tensor, never on a gathered or
-    reduced copy: later readers of the tensor would miss the write. A new buffer (``zeros_like``) is then
-    made whole instead (returned); any other tensor is refused."""
+    reduced copy: later readers of the tensor would miss the write. Returns the written value's base and
+    the error to raise unless that base is a new buffer (``zeros_like``), which can be made whole instead.
+    Permuted rows are left to their sort, which then runs whole."""
     written = mutated_arg(node)
     if not isinstance(written, fx.Node):
         return None
     have = view.actual_placement(written)
-    if not is_rank_local(have) or sharding.inputs.get(written, REPLICATE) == completed(have):
+    if not is_rank_local(have) or is_permuted(have) or sharding.inputs.get(written, REPLICATE) == completed(have):
         return None
-    base = bases.get(written, written)
-    if base.target in FRESH_BUFFERS:
-        return base
     source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
-    raise UnsupportedError(
+    return bases.get(written, written), (
         f"{node.name} ({node.target}) writes in place into {written.name}, which is "
         f"{describe(have)} (split over the sequence-parallel ranks) here, and this op has no sharded "
         f"form; write it out of place (for example x = x.relu() instead of x.relu_(), or torch.cat / "

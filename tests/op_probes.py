@@ -298,6 +298,30 @@ def _sorted_rows_read_unordered(h):
     return rows.view(flat.shape[0], 2, -1)[:, 0].view(h.shape) + h
 
 
+def _sorted_rows_written_then_added_back(h):
+    flat, experts = _expert_of_each_slot(h)
+    order = experts.argsort()
+    rows = flat[order // 2]
+    rows[:, 0] = 0.0
+    return torch.zeros_like(flat).index_add_(0, order // 2, rows).view(h.shape)
+
+
+def _sorted_rows_read_at_global_positions(h):
+    flat, experts = _expert_of_each_slot(h)
+    rows = flat[experts.argsort() // 2]
+    positions = (experts * 0 + torch.arange(experts.shape[0])).unsqueeze(-1).expand(-1, h.shape[-1])
+    return torch.gather(rows, 0, positions).view(flat.shape[0], 2, -1).sum(dim=1).view(h.shape)
+
+
+def _counts_over_the_data_range(h):
+    """``histc`` with its default range (the data's own min and max) counts over every token."""
+    return h * torch.histc(h.argmax(dim=-1).float(), bins=4).max()
+
+
+def _masked_scatter_into_a_new_buffer(h):
+    return torch.zeros_like(h).masked_scatter_(h > 0, h[0, 0].repeat(h.shape[0] * h.shape[1])) + h
+
+
 # The probes' ops that map the attention's output [B, S, D] to a value of the same shape, some returning
 # a view of their input or writing into it: the randomized tests chain them (test_properties.py) and
 # read the chain's input again at the end, so writes and views also cross from one step to the next.
@@ -317,6 +341,10 @@ STEPS = {
     "mean_and_max_pool": _mean_and_max_pool, "gather_reversed_positions": _gather_reversed_positions,
     "top_k_gates": _top_k_gates, "sorted_rows_put_back": _sorted_rows_put_back,
     "sorted_rows_added_back": _sorted_rows_added_back, "sorted_rows_read_unordered": _sorted_rows_read_unordered,
+    "sorted_rows_written": _sorted_rows_written_then_added_back,
+    "sorted_rows_at_global_positions": _sorted_rows_read_at_global_positions,
+    "counts_over_the_data_range": _counts_over_the_data_range,
+    "masked_scatter_into_new_buffer": _masked_scatter_into_a_new_buffer,
 }
 
 
@@ -364,4 +392,8 @@ PROBES = {
     "sorted_rows_put_back": lambda: Probe(_sorted_rows_put_back),
     "sorted_rows_added_back": lambda: Probe(_sorted_rows_added_back),
     "sorted_rows_read_unordered": lambda: Probe(_sorted_rows_read_unordered),
+    "sorted_rows_written": lambda: Probe(_sorted_rows_written_then_added_back),
+    "sorted_rows_at_global_positions": lambda: Probe(_sorted_rows_read_at_global_positions),
+    "counts_over_the_data_range": lambda: Probe(_counts_over_the_data_range),
+    "masked_scatter_into_new_buffer": lambda: Probe(_masked_scatter_into_a_new_buffer),
 }

@@ -50,7 +50,7 @@ METHODS = (
     "logical_not", "__and__", "__or__", "__invert__", "floor_divide", "remainder", "fmod", "erf",
     "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_", "pow_", "float_power", "relu_",
     "sigmoid_", "tanh_", "exp_", "abs_", "sqrt_", "rsqrt_", "zero_", "fill_", "copy_", "clamp_min_",
-    "clamp_max_", "masked_scatter_", "lerp_", "addcmul_", "addcdiv_",
+    "clamp_max_", "lerp_", "addcmul_", "addcdiv_",
     "reciprocal", "sign", "softplus", "requires_grad_", "nan_to_num",
     "expm1", "log1p", "exp2", "log2", "erfc", "floor", "ceil", "round", "trunc", "clamp_min", "clamp_max",
     "sinh", "cosh", "atan", "isnan", "isinf", "isfinite", "logit", "square_", "erf_",

@@ -18,7 +18,7 @@ strands them, and propagation then gathers the sort's input instead (``propagate
     ids = topk(probs, k).indices.reshape(-1)        # S(0|1x.xk)    token-local
     ids_g, perm = sort(ids)                          # S~sort, I[S~sort->S(0|1x.xk)]
     rows = h[perm // k]                              # S~sort        h: S(0)
-    counts = histc(ids_g.float(), E)                 # P(sort)
+    counts = histc(ids_g.float(), E, 0, E - 1)       # P(sort)
     out = grouped_mm(rows, w, offs=cumsum(counts))   # S~sort
     inv = empty_like(perm); inv[perm] = arange(n)    # I[S(0|1x.xk)->S~sort]  (arange: this rank's n)
     back = out[inv]                                  # S(0|1x.xk)   in token order again
@@ -67,6 +67,10 @@ SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort, 
 _SELECTION_PARAMS = {"topk": ("input", "k", "dim"), "sort": ("input", "dim"), "argsort": ("input", "dim")}
 
 
+def _first(node: fx.Node):
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
 def _selection_dim(node, value) -> int:
     name = node.target if isinstance(node.target, str) else node.target.__name__
     return normalize_dim(method_or_function_args(node, _SELECTION_PARAMS[name], {"dim": -1})["dim"], value.dim())
@@ -101,13 +105,20 @@ def one_hot_rule(node, view):
     return Decision(view.placement(source), {source: view.placement(source)})
 
 
-@register("histc", torch.histc, "bincount", torch.bincount)
+HISTC_PARAMS = ("input", "bins", "min", "max")
+
+
+def _fixed_range(node) -> bool:
+    """``histc`` with its range given: the default (0, 0) takes each rank's own min and max instead."""
+    args = method_or_function_args(node, HISTC_PARAMS, {"min": 0, "max": 0})
+    return isinstance(args["min"], (int, float)) and isinstance(args["max"], (int, float)) and args["min"] < args["max"]
+
+
+@register("histc", torch.histc)
 def count_rule(node, view):
-    """Counts over the rank's elements: their sum over ranks is the global count."""
-    source = node.args[0] if node.args else node.kwargs["input"]
-    weights = method_or_function_args(node, ("input", "weights")).get("weights") \
-        if node.target in ("bincount", torch.bincount) else None
-    if view.sharded(source) is None or isinstance(weights, fx.Node):
+    """Counts over the rank's elements in a fixed range: their sum over ranks is the global count."""
+    source = method_or_function_args(node, HISTC_PARAMS)["input"]
+    if view.sharded(source) is None or not _fixed_range(node):
         return None
     return Decision(PARTIAL, {source: view.placement(source)})
 
@@ -211,12 +222,13 @@ def _like_permuted(node, view) -> Decision | None:
     """A new tensor shaped like permuted rows or positions. Shaped like a sort's indices, it is taken to be
     the inverse permutation about to be written (``inv[perm] = arange(n)``): laid out in token order, its
     values positions into the sorted rows; any other write into it strands the sort."""
-    source = node.args[0] if node.args else node.kwargs["input"]
+    source = _first(node)
     placement = view.placement(source)
     if isinstance(placement, PermutedShard):
         return Decision(placement, {source: placement})
-    if isinstance(placement, Positions) and isinstance(placement.rows, PermutedShard) \
-            and seq_factors(placement.into) is not None and node.target in ("empty_like", torch.empty_like):
+    rows = placement.rows if isinstance(placement, Positions) else None
+    if isinstance(rows, PermutedShard) and placement.into == seq_shard(rows.dim, rows.outer, rows.inner) \
+            and node.target in ("empty_like", torch.empty_like):
         return Decision(Positions(placement.into, placement.rows), {source: placement})
     return None
 
@@ -280,7 +292,7 @@ def permuted_getitem_rule(node, view):
 def permuted_dims_rule(node, view):
     mapping = {"unsqueeze": _unsqueeze, torch.unsqueeze: _unsqueeze, "squeeze": _squeeze, torch.squeeze: _squeeze,
                "permute": _permute, torch.permute: _permute}.get(node.target, _transpose)
-    source = node.args[0]
+    source = _first(node)
     placement = view.placement(source)
     if not isinstance(placement, PermutedShard):
         return None
@@ -291,7 +303,7 @@ def permuted_dims_rule(node, view):
 @register(*SPLITS, *UNBINDS, permuted=True)
 def permuted_split_rule(node, view):
     """Splits along a dim other than the rows (a fused gate/up projection's two halves)."""
-    source = node.args[0]
+    source = _first(node)
     placement = view.placement(source)
     outputs = view.value(node)
     if not isinstance(placement, PermutedShard) or not isinstance(outputs, (tuple, list)):
@@ -305,20 +317,31 @@ def permuted_split_rule(node, view):
     return Decision(tuple(part for _ in outputs), {source: placement})
 
 
-@register("histc", torch.histc, "bincount", torch.bincount, permuted=True)
+@register("histc", torch.histc, permuted=True)
 def permuted_count_rule(node, view):
-    """Per-expert counts of the sorted rows: the rank's own counts, what its grouped matmul needs."""
-    source = node.args[0]
+    """Per-expert counts of the sorted expert ids: the rank's own counts, what its grouped matmul needs."""
+    source = method_or_function_args(node, HISTC_PARAMS)["input"]
     placement = view.placement(source)
-    if not isinstance(placement, PermutedShard) or len(node.all_input_nodes) != 1:
+    if not isinstance(placement, PermutedShard) or not _fixed_range(node) or not _is_sorted_values(source, placement.order):
         return None
     return Decision(Partial(over=placement.order), {source: placement})
+
+
+_CASTS = ("float", "int", "long", "double", "to", "type")
+
+
+def _is_sorted_values(node: fx.Node, order: str) -> bool:
+    """Whether ``node`` is the values output of the sort ``order`` (through casts): what grouped offsets
+    count, so that the counts describe the rows in that order."""
+    while node.op == "call_method" and node.target in _CASTS:
+        node = node.args[0]
+    return node.target is operator.getitem and node.args[1] == 0 and node.args[0].name == order
 
 
 @register("cumsum", torch.cumsum, permuted=True)
 def permuted_cumsum_rule(node, view):
     """Offsets from counts: a cumulative sum along the experts is still the rank's own."""
-    source = node.args[0]
+    source = _first(node)
     placement = view.placement(source)
     if not (isinstance(placement, Partial) and placement.over):
         return None
@@ -329,12 +352,14 @@ def permuted_cumsum_rule(node, view):
 def grouped_mm_rule(node, view):
     """``grouped_mm(rows, weight, offs)``: row block e (``offs[e-1]:offs[e]``) times ``weight[e]``. On a
     rank's sorted rows with its own counts, every row meets its expert."""
-    args = method_or_function_args(node, ("input", "weight", "offs"))
-    rows, weight, offsets = args["input"], args["weight"], args.get("offs")
+    if len(node.args) < 2:
+        return None
+    rows, weight = node.args[:2]
+    offsets = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
     placement = view.placement(rows)
     if not (isinstance(placement, PermutedShard) and placement.dim == 0 and view.value(rows).dim() == 2
-            and view.placement(weight) == REPLICATE and isinstance(offsets, fx.Node)
-            and view.placement(offsets) == Partial(over=placement.order)):
+            and view.value(weight).dim() == 3 and view.placement(weight) == REPLICATE
+            and isinstance(offsets, fx.Node) and view.placement(offsets) == Partial(over=placement.order)):
         return None
     return Decision(placement, {rows: placement, weight: REPLICATE, offsets: view.placement(offsets)})
 
@@ -348,7 +373,7 @@ def permuted_bmm_rule(node, view):
         return Decision(pa, {a: pa, b: pb})
     if isinstance(pa, PermutedShard) and pb == REPLICATE and view.value(b).dim() <= 2 \
             and pa.dim < view.value(a).dim() - 1:
-        return Decision(with_dim(pa, pa.dim + view.value(node).dim() - view.value(a).dim()), {a: pa, b: REPLICATE})
+        return Decision(pa, {a: pa, b: REPLICATE})
     return None
 
 
@@ -369,7 +394,7 @@ def permuted_linear_rule(node, view):
 def permuted_sum_rule(node, view):
     """A sum over the permuted rows is the rank's part of the sum over its tokens; over other dims the
     rows stay."""
-    source = node.args[0]
+    source = _first(node)
     placement = view.placement(source)
     if not isinstance(placement, PermutedShard):
         return None
@@ -400,5 +425,5 @@ def put_back_rule(node, view):
 @register("size", permuted=True)
 def permuted_size_rule(node, view):
     """The program asked for the global size, as of a sequence-sharded value."""
-    source = node.args[0]
+    source = _first(node)
     return Decision(None, {source: view.placement(source)}, _global_size)

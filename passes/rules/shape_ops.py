@@ -231,6 +231,8 @@ def repeat_rule(node, view):
     expert, as Llama 4's MoE makes), the rank's block recurs in each tile: ``outer * r``."""
     source = node.args[0]
     factors = view.sharded(source)
+    if len(node.args) < 2:
+        return None
     sizes = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (list, tuple)) else node.args[1]
     if factors is None or not all(isinstance(size, int) for size in sizes):
         return None
@@ -308,6 +310,8 @@ def _table_lookup(view, table, index) -> Decision | None:
 def setitem_rule(node, view):
     """``x[index] = value`` with the index leaving the sequence whole: each rank writes its block."""
     target, index, value = node.args
+    if _is_aligned_mask(view, target, index) and not view.is_tensor(value):
+        return Decision(view.placement(target), {target: view.placement(target), index: view.placement(index)})
     region = _indexed(view, target, index)
     if region is None or region.localize is not None:
         return None
@@ -319,6 +323,14 @@ def setitem_rule(node, view):
         demands[value] = with_dim(region.output, value_dim) if size == region_value.shape[region.output.dim] \
             and size > 1 else REPLICATE
     return Decision(view.placement(target), demands)
+
+
+def _is_aligned_mask(view, target, index) -> bool:
+    """``x[mask] = c`` with a boolean mask over x's leading dims, sharded as x is: a masked fill."""
+    mask = view.value(index)
+    return isinstance(index, fx.Node) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool \
+        and view.sharded(target) is not None and view.placement(index) == view.placement(target) \
+        and tuple(mask.shape) == tuple(view.value(target).shape[:mask.dim()])
 
 
 def _indexed(view, source, index) -> Decision | None:
@@ -430,7 +442,7 @@ def gather_rule(node, view):
     if factors is not None and view.placement(source) == view.placement(index) \
             and normalize_dim(dim, x.dim()) != factors[0] and x.shape[factors[0]] == view.value(index).shape[factors[0]]:
         return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
-    if factors is None or view.sharded(source) is not None or factors[1:] != (1, 1):
+    if factors is None or view.placement(source) != REPLICATE or factors[1:] != (1, 1):
         return None
     seq_dim = factors[0]
     if normalize_dim(dim, x.dim()) == seq_dim:
