@@ -142,3 +142,14 @@ def test_sorted_rows_read_out_of_order_sort_the_whole_sequence(fake_group):
     fallbacks = gm.meta["ulysses_report"].fallbacks
     assert [f.op for f in fallbacks] == ["argsort", "getitem"], fallbacks
     assert "reads its rows before they are put back in token order" in fallbacks[0].reason
+
+
+def test_explain_shows_moe_blocks_on_the_ranks_tokens():
+    """``explain`` at 4 ranks, one process: a Qwen3-MoE's blocks gather nothing; the experts' weights
+    have their gradients summed over the ranks."""
+    from ulysses_compile import explain
+
+    model, inputs = CASES["qwen3_moe"]()
+    report = explain(model, **inputs, world_size=4)
+    assert report.fallbacks == [] and len(report.attention_sites) == 2, str(report)
+    assert any(c.purpose == "sync_grad" and c.where.endswith("mlp.experts") for c in report.collectives), str(report)
