@@ -51,7 +51,7 @@ from ulysses_compile.sharding import (
 
 from .in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
 from .rules import RuleView, mutated_arg, replicate_all, rule_for
-from .rules.routing import FRESH_BUFFERS
+from .rules.routing import FRESH_BUFFERS, whole_like
 from .sequence_dims import sequence_dims
 
 
@@ -136,9 +136,12 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
         elif node.op == "output":
             _find_stranded(node, {}, view, placed)
         elif node in whole:
-            place(node, NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
+            like = whole_like(node, view)
+            place(node, like or NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
             _find_stranded(node, sharding_of(node).inputs, view, placed)
-            if any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
+            if like is not None:
+                placed.fallbacks.append(_fallback_report(node, view, whole[node], gathered=False))
+            elif any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
@@ -307,13 +310,14 @@ def _op(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
-def _fallback_report(node, view, reason) -> Fallback:
+def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:
     sharded_inputs = [arg.name for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
     source = (node.meta.get("stack_trace") or "").strip().splitlines()
     return Fallback(
         node=node.name,
         op=_op(node),
-        reason=f"{reason}; gathered {', '.join(sharded_inputs)}",
+        reason=f"{reason}; gathered {', '.join(sharded_inputs)}" if gathered else
+        f"{reason}, from its global shape (nothing gathered)",
         source=" / ".join(line.strip() for line in source[-2:]),
     )
 

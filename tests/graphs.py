@@ -20,6 +20,17 @@ def rewritten_graphs(model, args, kwargs=None, **options):
     return graphs
 
 
+def reporting_backend(reports: list, **options):
+    """A backend that compiles with ulysses (aot_eager) and appends each graph's report to ``reports``."""
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager", **options})
+        reports.append(gm.meta["ulysses_report"])
+        return compiled
+
+    return backend
+
+
 def calls(gm, fn):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
 

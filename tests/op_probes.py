@@ -291,6 +291,14 @@ def _sorted_rows_added_back(h):
     return torch.zeros_like(flat).index_add_(0, tokens, rows).view(h.shape)
 
 
+def _sorted_rows_scattered_back(h):
+    """torchtitan's MoE: tokens gathered in expert order with expanded indices, scatter_add_ back."""
+    flat, experts = _expert_of_each_slot(h)
+    tokens = (experts.argsort(stable=True) // 2).unsqueeze(-1).expand(-1, flat.shape[-1])
+    rows = torch.gather(flat, 0, tokens) * 2 + flat.index_select(0, tokens[:, 0])
+    return torch.zeros_like(flat).scatter_add_(0, tokens, rows).view(h.shape)
+
+
 def _sorted_rows_read_unordered(h):
     """Sorted rows read without being put back: the sort must see the whole sequence."""
     flat, experts = _expert_of_each_slot(h)
@@ -342,6 +350,7 @@ STEPS = {
     "top_k_gates": _top_k_gates, "sorted_rows_put_back": _sorted_rows_put_back,
     "sorted_rows_added_back": _sorted_rows_added_back, "sorted_rows_read_unordered": _sorted_rows_read_unordered,
     "sorted_rows_written": _sorted_rows_written_then_added_back,
+    "sorted_rows_scattered_back": _sorted_rows_scattered_back,
     "sorted_rows_at_global_positions": _sorted_rows_read_at_global_positions,
     "counts_over_the_data_range": _counts_over_the_data_range,
     "masked_scatter_into_new_buffer": _masked_scatter_into_a_new_buffer,
@@ -393,6 +402,7 @@ PROBES = {
     "sorted_rows_added_back": lambda: Probe(_sorted_rows_added_back),
     "sorted_rows_read_unordered": lambda: Probe(_sorted_rows_read_unordered),
     "sorted_rows_written": lambda: Probe(_sorted_rows_written_then_added_back),
+    "sorted_rows_scattered_back": lambda: Probe(_sorted_rows_scattered_back),
     "sorted_rows_at_global_positions": lambda: Probe(_sorted_rows_read_at_global_positions),
     "counts_over_the_data_range": lambda: Probe(_counts_over_the_data_range),
     "masked_scatter_into_new_buffer": lambda: Probe(_masked_scatter_into_a_new_buffer),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nanogpt
+from graphs import reporting_backend
 from op_probes import PROBES
 from models import (
     MeanPooledClassifier,
@@ -220,18 +221,12 @@ def zoo_equal_to_eager(rank, world_size, names):
 
 
 def parallel_and_equal_to_eager(rank, world_size, name):
-    from ulysses_compile.backend import ulysses
-
     model = {"t5": tiny_t5, "deepseek_v3": tiny_deepseek_v3, "gpt_oss_sinks": model_zoo()["gpt_oss_sinks"][0]}[name]()
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=24)
     inputs = {"input_ids": ids, "labels": token_batch(seq=16, seed=2)[1] if name == "t5" else labels}
     reports = []
-
-    def backend(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
-        reports.append(gm.meta["ulysses_report"])
-        return compiled
+    backend = reporting_backend(reports)
 
     torch.compiler.reset()
     got = torch.compile(model, backend=backend)(**inputs)

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from graphs import reporting_backend
 from models import VOCAB, tiny_llama
 from multirank import compare_model, run_ranks
 
@@ -31,8 +32,6 @@ def _packed_batch(offsets: bool) -> dict:
 
 
 def packed_batch_is_parallel_and_exact(rank, world_size, attention):
-    from ulysses_compile.backend import ulysses
-
     if attention == "flash_attention_2":
         from flash_attn_stand_in import transformers_uses_flash_attn
 
@@ -43,11 +42,7 @@ def packed_batch_is_parallel_and_exact(rank, world_size, attention):
     model.config._attn_implementation = attention
     reference = copy.deepcopy(model)
     reports = []
-
-    def backend(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager"})
-        reports.append(gm.meta["ulysses_report"])
-        return compiled
+    backend = reporting_backend(reports)
 
     got = torch.compile(model, backend=backend)(**batch, use_cache=False)
     got.loss.backward()

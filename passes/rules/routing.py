@@ -40,6 +40,7 @@ from ulysses_compile.sharding import (
     PermutedShard,
     Positions,
     Shard,
+    completed,
     local_shape,
     place,
     seq_factors,
@@ -161,6 +162,29 @@ def like_rule(node, view):
     return Decision(view.placement(source), {source: view.placement(source)})
 
 
+def whole_like(node: fx.Node, view) -> NodeSharding | None:
+    """A new tensor shaped like a sharded one, made whole (a write into it cannot stay sharded, as
+    ``empty_like(h).uniform_()`` for router jitter): made at its global shape with ``x.new_*``, which
+    reads only x's dtype and device, so x is not gathered for it."""
+    source = _first(node)
+    placement = view.actual_placement(source) if isinstance(source, fx.Node) else None
+    if node.target not in LIKE[:8] or seq_factors(completed(placement) if placement else None) is None:
+        return None
+    return NodeSharding(REPLICATE, view.value(node), {source: placement}, _localize_whole_like)
+
+
+def _localize_whole_like(node: fx.Node, sharding, ctx) -> None:
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    kind = name.removesuffix("_like")
+    source = _first(node)
+    fill = node.args[1:2] if kind == "full" else ()
+    kwargs = {key: value for key, value in node.kwargs.items() if key not in ("input", "memory_format")}
+    fill = (kwargs.pop("fill_value"),) if "fill_value" in kwargs else fill
+    shape = size_arg(node.graph, tuple(sharding.global_value.shape), before=node)
+    node.op, node.target = "call_method", f"new_{kind}"
+    node.args, node.kwargs = (source, tuple(shape), *fill), kwargs
+
+
 # Rules for the permuted rows.
 
 
@@ -271,12 +295,14 @@ def permuted_getitem_rule(node, view):
         return Decision(placement[index], {})
     entries = index_entries(index, view.value(source).dim()) if not isinstance(index, fx.Node) else [index]
     first, rest = entries[0], entries[1:]
-    if isinstance(placement, PermutedShard) and not any(isinstance(entry, fx.Node) for entry in entries):
-        # Basic indexing that leaves the rows whole (gpt-oss's gate_up[..., ::2]).
-        as_sharded = _indexed(view.overridden({source: seq_shard(placement.dim)}), source, index)
+    rows = placement.rows if isinstance(placement, Positions) else placement
+    if isinstance(rows, PermutedShard) and not any(isinstance(entry, fx.Node) for entry in entries):
+        # Basic indexing that leaves the rows whole (gpt-oss's gate_up[..., ::2], positions[:, 0]).
+        as_sharded = _indexed(view.overridden({source: seq_shard(rows.dim)}), source, index)
         if as_sharded is None or as_sharded.localize is not None or not isinstance(as_sharded.output, Shard):
             return None
-        return Decision(with_dim(placement, as_sharded.output.dim), {source: placement})
+        moved = with_dim(rows, as_sharded.output.dim)
+        return Decision(Positions(moved, placement.into) if rows is not placement else moved, {source: placement})
     if not isinstance(first, fx.Node) or any(entry != slice(None) for entry in rest):
         return None
     positions = view.placement(first)
@@ -294,10 +320,44 @@ def permuted_dims_rule(node, view):
                "permute": _permute, torch.permute: _permute}.get(node.target, _transpose)
     source = _first(node)
     placement = view.placement(source)
-    if not isinstance(placement, PermutedShard):
+    rows = placement.rows if isinstance(placement, Positions) else placement
+    if not isinstance(rows, PermutedShard):
         return None
-    out_dim = mapping(node, placement.dim, view.value(source), view.value(node))
-    return None if out_dim is None else Decision(with_dim(placement, out_dim), {source: placement})
+    out_dim = mapping(node, rows.dim, view.value(source), view.value(node))
+    if out_dim is None:
+        return None
+    moved = with_dim(rows, out_dim)
+    return Decision(Positions(moved, placement.into) if isinstance(placement, Positions) else moved, {source: placement})
+
+
+@register("expand", "expand_as", permuted=True)
+def permuted_expand_rule(node, view):
+    """Sorted positions broadcast along the features (``idx.unsqueeze(-1).expand(-1, H)``) to gather or
+    scatter whole rows: the rows dim stays where it is."""
+    source = _first(node)
+    placement = view.placement(source)
+    rows = placement.rows if isinstance(placement, Positions) else placement
+    value, out = view.value(source), view.value(node)
+    if not isinstance(rows, PermutedShard) or value.dim() != out.dim() or value.shape[rows.dim] != out.shape[rows.dim]:
+        return None
+    demands = {source: placement}
+    if node.target == "expand_as":
+        demands[node.args[1]] = view.placement(node.args[1])
+    return Decision(placement, demands)
+
+
+@register(torch.gather, "gather", torch.index_select, "index_select", permuted=True)
+def permuted_gather_rule(node, view):
+    """``torch.gather(x, 0, positions)`` / ``x.index_select(0, positions)``: rows read at the rank's
+    positions, as ``x[positions]``."""
+    args = method_or_function_args(node, ("input", "dim", "index"))
+    source, index = args["input"], args["index"]
+    placement, positions = view.placement(source), view.placement(index)
+    if not (isinstance(positions, Positions) and placement == positions.into and seq_factors(placement) is not None
+            and seq_factors(placement)[0] == normalize_dim(args["dim"], view.value(source).dim()) == 0
+            and positions.rows.dim == 0):
+        return None
+    return Decision(positions.rows, {source: placement, index: positions})
 
 
 @register(*SPLITS, *UNBINDS, permuted=True)
@@ -409,11 +469,13 @@ def permuted_sum_rule(node, view):
                     {source: placement})
 
 
-@register("index_add", torch.index_add, "index_add_", "index_copy", torch.index_copy, "index_copy_", permuted=True)
+@register("index_add", torch.index_add, "index_add_", "index_copy", torch.index_copy, "index_copy_", "scatter_add",
+          torch.scatter_add, "scatter_add_", permuted=True)
 def put_back_rule(node, view):
-    """``tokens.index_add_(0, positions, rows)``: the sorted rows added back at their tokens' positions."""
+    """``tokens.index_add_(0, positions, rows)`` (or ``scatter_add_`` with the positions broadcast along
+    the features): the sorted rows added back at their tokens' positions."""
     args = method_or_function_args(node, ("input", "dim", "index", "source"))
-    target, index, rows = args["input"], args["index"], args["source"]
+    target, index, rows = args["input"], args["index"], args.get("source", args.get("src"))
     have, positions = view.placement(target), view.placement(index)
     if not (isinstance(positions, Positions) and have == positions.into and seq_factors(have) is not None
             and seq_factors(have)[0] == normalize_dim(args["dim"], view.value(target).dim()) == 0
