@@ -294,8 +294,9 @@ def _sorted_rows_added_back(h):
 def _sorted_rows_scattered_back(h):
     """torchtitan's MoE: tokens gathered in expert order with expanded indices, scatter_add_ back."""
     flat, experts = _expert_of_each_slot(h)
-    tokens = (experts.argsort(stable=True) // 2).unsqueeze(-1).expand(-1, flat.shape[-1])
+    tokens = (experts.argsort(stable=True) // 2).reshape(-1, 1).expand(-1, flat.shape[-1])
     rows = torch.gather(flat, 0, tokens) * 2 + flat.index_select(0, tokens[:, 0])
+    rows = rows.unsqueeze(1).expand(tokens.shape[0], 2, flat.shape[-1]).sum(dim=1)
     return torch.zeros_like(flat).scatter_add_(0, tokens, rows).view(h.shape)
 
 

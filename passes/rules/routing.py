@@ -54,14 +54,17 @@ from . import Decision, index_entries, insert_part, method_or_function_args, nor
 from .pointwise import BINARY_FUNCTIONS, METHODS, UNARY_FUNCTIONS
 from .shape_ops import (
     SPLITS,
-    _global_size,
-    _indexed,
     TRANSPOSES,
     UNBINDS,
+    VIEWS,
+    _global_size,
+    _indexed,
+    _localize_shape,
     _permute,
     _squeeze,
     _transpose,
     _unsqueeze,
+    view_placement,
 )
 
 SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort, "msort")
@@ -148,11 +151,11 @@ def scatter_rule(node, view):
 
 
 LIKE = ("empty_like", torch.empty_like, "zeros_like", torch.zeros_like, "ones_like", torch.ones_like,
-        "full_like", torch.full_like, "rand_like", "randn_like")
+        "full_like", torch.full_like)
 FRESH_BUFFERS = frozenset({*LIKE, "new_empty", "new_zeros", "new_ones", "new_full"})
 
 
-@register(*LIKE[:8])
+@register(*LIKE)
 def like_rule(node, view):
     """A new tensor shaped like a sharded one: each rank makes its block. Its values are not read; a
     later write that cannot stay sharded makes propagation keep it whole (``propagate_sharding``)."""
@@ -168,7 +171,7 @@ def whole_like(node: fx.Node, view) -> NodeSharding | None:
     reads only x's dtype and device, so x is not gathered for it."""
     source = _first(node)
     placement = view.actual_placement(source) if isinstance(source, fx.Node) else None
-    if node.target not in LIKE[:8] or seq_factors(completed(placement) if placement else None) is None:
+    if node.target not in LIKE or seq_factors(completed(placement) if placement else None) is None:
         return None
     return NodeSharding(REPLICATE, view.value(node), {source: placement}, _localize_whole_like)
 
@@ -330,20 +333,35 @@ def permuted_dims_rule(node, view):
     return Decision(Positions(moved, placement.into) if isinstance(placement, Positions) else moved, {source: placement})
 
 
-@register("expand", "expand_as", permuted=True)
+@register("expand", permuted=True)
 def permuted_expand_rule(node, view):
     """Sorted positions broadcast along the features (``idx.unsqueeze(-1).expand(-1, H)``) to gather or
-    scatter whole rows: the rows dim stays where it is."""
+    scatter whole rows: the rows dim stays where it is, its size the rank's."""
     source = _first(node)
     placement = view.placement(source)
     rows = placement.rows if isinstance(placement, Positions) else placement
     value, out = view.value(source), view.value(node)
     if not isinstance(rows, PermutedShard) or value.dim() != out.dim() or value.shape[rows.dim] != out.shape[rows.dim]:
         return None
-    demands = {source: placement}
-    if node.target == "expand_as":
-        demands[node.args[1]] = view.placement(node.args[1])
-    return Decision(placement, demands)
+    return Decision(placement, {source: placement}, _localize_shape("expand"))
+
+
+@register(*VIEWS, permuted=True)
+def permuted_view_rule(node, view):
+    """A view that keeps the rows one dim of their own (``idx.reshape(-1, 1)``, as torchtitan writes it)."""
+    source = _first(node)
+    placement = view.placement(source)
+    rows = placement.rows if isinstance(placement, Positions) else placement
+    out = view.value(node)
+    if not isinstance(rows, PermutedShard) or not isinstance(out, torch.Tensor) or node.target in ("view_as", "reshape_as"):
+        return None
+    moved = view_placement(tuple(view.value(source).shape), tuple(out.shape), (rows.dim, 1, 1))
+    if not isinstance(moved, Shard):
+        return None
+    moved = with_dim(rows, moved.dim)
+    method = "view" if node.target == "view" else "reshape"
+    return Decision(Positions(moved, placement.into) if rows is not placement else moved, {source: placement},
+                    _localize_shape(method))
 
 
 @register(torch.gather, "gather", torch.index_select, "index_select", permuted=True)
@@ -479,7 +497,7 @@ def put_back_rule(node, view):
     have, positions = view.placement(target), view.placement(index)
     if not (isinstance(positions, Positions) and have == positions.into and seq_factors(have) is not None
             and seq_factors(have)[0] == normalize_dim(args["dim"], view.value(target).dim()) == 0
-            and view.placement(rows) == positions.rows):
+            and positions.rows.dim == 0 and view.placement(rows) == positions.rows):
         return None
     return Decision(have, {target: have, index: positions, rows: positions.rows})
 
