@@ -158,6 +158,14 @@ def test_cli_explain_on_a_model_file(tmp_path):
     assert missing.returncode == 2 and "defines no function 'build'" in missing.stderr
 
 
+def test_cli_explain_on_the_moe_example():
+    """A factory file with a dataclass config (``examples/moe_gpt.py``): its MoE blocks gather nothing."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "moe_gpt.py"
+    result = _cli("explain", f"{example}:make", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert "attention sites: 2" in result.stdout and "fallbacks: 0" in result.stdout, result.stdout
+
+
 @pytest.mark.multirank
 def test_cli_verify_passes_a_correct_program(tmp_path):
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))

@@ -41,6 +41,7 @@ def load_factory(spec: str):
     sys.path.insert(0, str(file.resolve().parent))  # the file may import its neighbours
     module_spec = importlib.util.spec_from_file_location(f"ulysses_factory_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # a dataclass in the file looks its module up there
     module_spec.loader.exec_module(module)
     factory = getattr(module, name, None)
     if not callable(factory):
