@@ -67,7 +67,7 @@ from .shape_ops import (
     view_placement,
 )
 
-SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort, "msort")
+SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort)
 _SELECTION_PARAMS = {"topk": ("input", "k", "dim"), "sort": ("input", "dim"), "argsort": ("input", "dim")}
 
 
@@ -80,11 +80,11 @@ def _selection_dim(node, value) -> int:
     return normalize_dim(method_or_function_args(node, _SELECTION_PARAMS[name], {"dim": -1})["dim"], value.dim())
 
 
-@register(*SELECTIONS[:-1])
+@register(*SELECTIONS)
 def selection_rule(node, view):
     """Top-k, sort and argsort along a dim other than the sequence: each token's own selection. A sort
     of a 1-D sequence-sharded tensor along it sorts the rank's rows (see the module docstring)."""
-    source = node.args[0] if node.args else node.kwargs["input"]
+    source = _first(node)
     factors = view.sharded(source)
     value = view.value(source)
     if factors is None:
@@ -159,7 +159,7 @@ FRESH_BUFFERS = frozenset({*LIKE, "new_empty", "new_zeros", "new_ones", "new_ful
 def like_rule(node, view):
     """A new tensor shaped like a sharded one: each rank makes its block. Its values are not read; a
     later write that cannot stay sharded makes propagation keep it whole (``propagate_sharding``)."""
-    source = node.args[0] if node.args else node.kwargs["input"]
+    source = _first(node)
     if view.sharded(source) is None:
         return None
     return Decision(view.placement(source), {source: view.placement(source)})
