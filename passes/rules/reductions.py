@@ -71,7 +71,8 @@ def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")
     return rule
 
 
-register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, scale=False))
+SUM_PARAMS = ("input", "dim", "keepdim")
+register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, scale=False, params=SUM_PARAMS))
 MEAN_PARAMS = ("input", "dim", "keepdim")
 register("mean", torch.mean)(_reduction(partial_ok=True, scale=True, params=MEAN_PARAMS))
 register(

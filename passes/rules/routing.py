@@ -52,6 +52,7 @@ from ulysses_compile.sizes import size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
 from .pointwise import BINARY_FUNCTIONS, METHODS, UNARY_FUNCTIONS
+from .reductions import SUM_PARAMS, _keepdim, _reduced_dims
 from .shape_ops import (
     SPLITS,
     TRANSPOSES,
@@ -476,15 +477,11 @@ def permuted_sum_rule(node, view):
     placement = view.placement(source)
     if not isinstance(placement, PermutedShard):
         return None
-    value = view.value(source)
-    dims = method_or_function_args(node, ("input", "dim", "keepdim")).get("dim")
-    dims = list(range(value.dim())) if dims is None else [normalize_dim(d, value.dim())
-                                                          for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = _reduced_dims(node, view.value(source), SUM_PARAMS)
     if placement.dim in dims:
         return Decision(PARTIAL, {source: placement})
-    keepdim = method_or_function_args(node, ("input", "dim", "keepdim")).get("keepdim", False)
-    return Decision(with_dim(placement, placement.dim - (0 if keepdim else sum(d < placement.dim for d in dims))),
-                    {source: placement})
+    kept = placement.dim - (0 if _keepdim(node, SUM_PARAMS) else sum(d < placement.dim for d in dims))
+    return Decision(with_dim(placement, kept), {source: placement})
 
 
 @register("index_add", torch.index_add, "index_add_", "index_copy", torch.index_copy, "index_copy_", "scatter_add",
