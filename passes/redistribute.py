@@ -13,7 +13,10 @@ After::
     emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
     logits = linear(h, sync_grad(w_out, group))
     loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
-    return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
+    return (loss, logits)        # the caller gets logits as a DTensor (outputs="dtensor", boundary.py)
+
+An output that cannot leave as a DTensor (a value crossing a graph break, uneven blocks, merged dims;
+or ``outputs="gather"``) is gathered: ``gather_seq(logits, 1, 1, 1, S, rank, P, group)``.
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
@@ -28,10 +31,12 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_redistribute`` and
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from ulysses_compile.boundary import even_blocks
 from ulysses_compile.collectives import (
     add_previous_ranks_totals,
     gather_seq,
@@ -183,16 +188,17 @@ def _requires_grad(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
-    """Insert the conversions; returns a line for each output gathered from sequence shards."""
+def redistribute(gm: fx.GraphModule, ctx) -> Outputs:
+    """Insert the conversions; returns the outputs gathered from sequence shards (with why) and those
+    that leave the graph sharded."""
     graph = gm.graph
     redistributor = _Redistributor(graph, ctx)
     writes = _Writes(graph)
-    gathered: list[str] = []
+    outputs = Outputs()
     for node in list(graph.nodes):
         sharding = sharding_of(node)
         if node.op == "output":
-            gathered = _redistribute_outputs(node, redistributor, ctx, writes)
+            outputs = _redistribute_outputs(node, redistributor, ctx, writes)
             continue
         written = mutated_arg(node)
         if sharding is None:
@@ -214,28 +220,54 @@ def redistribute(gm: fx.GraphModule, ctx) -> list[str]:
                     # A write into it, or into a view of its completion, lands on the conversion.
                     redistributor.written_through(arg, new, want)
         writes.record(written)
-    return gathered
+    return outputs
 
 
-def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, writes: _Writes) -> list[str]:
-    gathered = []
+@dataclass
+class Outputs:
+    gathered: list[str] = field(default_factory=list)  # a line for each sequence-sharded output gathered
+    sharded: dict[int, int] = field(default_factory=dict)  # output position -> the dim it leaves sharded on
 
-    def convert(arg):
-        sharding = sharding_of(arg)
+
+def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, writes: _Writes) -> Outputs:
+    found = Outputs()
+
+    def convert(position: int, arg):
+        sharding = sharding_of(arg) if isinstance(arg, fx.Node) else None
         if sharding is None or sharding.output is None or isinstance(sharding.output, tuple):
             return arg
         have = sharding.output
         before, version = writes.anchor(arg, output), writes.seen(arg)
         if ctx.options.outputs == "local":
             return redistributor.to(arg, have, completed(have), before, version)
-        if is_sharded(completed(have)):
-            shape = list(sharding.global_value.shape)
-            gathered.append(
-                f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered (the model's output, or a "
-                f"value crossing a graph break, which the next graph slices again)"
-            )
-            log.info("ulysses_compile: %s", gathered[-1])
+        if not is_sharded(completed(have)):
+            return redistributor.to(arg, have, REPLICATE, before, version)
+        shape = list(sharding.global_value.shape)
+        why = _why_gathered(completed(have), shape, ctx)
+        if not why:
+            found.sharded[position] = completed(have).dim
+            return redistributor.to(arg, have, completed(have), before, version)
+        found.gathered.append(f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered: {why}")
+        log.info("ulysses_compile: %s", found.gathered[-1])
         return redistributor.to(arg, have, REPLICATE, before, version)
 
-    output.args = fx.node.map_arg(output.args, convert)
-    return gathered
+    values = output.args[0]  # Dynamo's graphs return a flat tuple, the compiled function's outputs in order
+    flat = list(values) if isinstance(values, (tuple, list)) else [values]
+    converted = [convert(position, arg) for position, arg in enumerate(flat)]
+    output.args = (type(values)(converted) if isinstance(values, (tuple, list)) else converted[0],)
+    return found
+
+
+def _why_gathered(placement, shape: list, ctx) -> str:
+    """Why a sequence-sharded output cannot leave as a DTensor (``boundary.py``), or ""."""
+    if ctx.options.outputs == "gather":
+        return 'option outputs="gather"'
+    if not ctx.outputs_to_caller:
+        return ("it crosses a graph break, or returns into code that runs before the caller reads it, where a "
+                "DTensor would meet plain tensors; the next graph slices it again")
+    if not isinstance(placement, Shard):
+        return "it is sharded inside merged dims (as [B*S, V] is), which no DTensor placement describes"
+    if not even_blocks(shape[placement.dim], ctx.world_size):
+        return (f"P = {ctx.world_size} does not divide its {shape[placement.dim]} positions, and DTensor's blocks "
+                f"(torch.chunk's) differ from the balanced ones here")
+    return ""

@@ -20,6 +20,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 RTOL = 1e-4
 TIMEOUT_S = 900  # one test's work on every rank; beyond it a rank is taken to hang in a collective
@@ -125,8 +126,11 @@ def torchrun(script, ranks: int, *arguments: str) -> None:
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> float:
-    """Max abs error must be within ``rtol`` of the reference's largest magnitude."""
+    """Max abs error must be within ``rtol`` of the reference's largest magnitude (a DTensor output of the
+    compiled model is compared whole)."""
     assert got is not None, f"{name}: missing (no gradient?)"
+    if isinstance(got, DTensor):
+        got = got.full_tensor()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     got64, want64 = got.detach().double(), want.detach().double()
     error = (got64 - want64).abs().max().item() if want.numel() else 0.0

@@ -2,6 +2,7 @@
 parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
 
 from .backend import ulysses
+from .boundary import ShardedOutput
 from .data import SequenceParallelLoader
 from .errors import (
     CollectiveError,
@@ -27,6 +28,7 @@ __all__ = [
     "RankMismatchError",
     "Report",
     "SequenceParallelLoader",
+    "ShardedOutput",
     "UlyssesError",
     "UnsupportedError",
     "VerificationError",

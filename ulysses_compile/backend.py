@@ -17,7 +17,9 @@ from .compat import (
     make_boxed_func,
     min_cut_rematerialization_partition,
     no_graph_cse,
+    returns_to_compile_caller,
 )
+from .boundary import as_sharded_outputs, refuse_dtensor_inputs, sequence_mesh
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -41,9 +43,10 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         )
         return inner_compile(gm, example_inputs, opts.compiler, mode)
     _check_one_device(gm, example_inputs)
+    refuse_dtensor_inputs(input_names(gm), example_inputs)
     original = copy.deepcopy(gm) if opts.verify else None
     expected = fingerprint(gm, example_inputs)
-    ctx, _ = rewrite(gm, example_inputs, opts, group)
+    ctx, report = rewrite(gm, example_inputs, opts, group)
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
     check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
@@ -51,6 +54,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
+    compiled = as_sharded_outputs(compiled, report.sharded_outputs, sequence_mesh(opts, group))
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
 
 
@@ -71,6 +75,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         options=opts,
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
         data_parallel=_data_parallel(opts),
+        outputs_to_caller=returns_to_compile_caller(gm),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

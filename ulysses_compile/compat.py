@@ -34,8 +34,10 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "list_mode_options",
+    "dtensor_parts",
     "dynamo_counters",
     "register_fake_backend",
+    "returns_to_compile_caller",
     "make_boxed_func",
     "op_name",
     "parameter_slots",
@@ -47,6 +49,7 @@ __all__ = [
     "symbolic_hint",
     "tag_recompute",
     "min_cut_rematerialization_partition",
+    "mutates_arguments",
     "no_graph_cse",
     "run_and_get_code",
     "statically_known_true",
@@ -158,3 +161,51 @@ def parameter_slots(module: torch.nn.Module) -> dict:
     """A module's own parameter dict, name -> parameter, written in place (registering a tensor that
     ``nn.Module.__setattr__`` would refuse, such as a DTensor in place of a Parameter)."""
     return module._parameters
+
+
+def returns_to_compile_caller(gm) -> bool:
+    """Whether the graph being compiled hands its outputs straight to the code that called the
+    ``torch.compile``-d function or module, and nothing else, compiled or eager, reads them first.
+
+    Dynamo compiles a graph at a frame's return or at a graph break (``compile_subgraph_reason``). At a
+    return, the frame's callers are walked from Dynamo's frame callback up: ``nn.Module`` call machinery
+    and Dynamo-transformed frames that return the call's result at once pass it on; reaching
+    ``torch.compile``'s entry (``eval_frame.py``) means the caller is the user's. Anything else (eager
+    code between graphs, a transformed frame that continues after the call) reads it first."""
+    import dis
+    import sys
+
+    from torch._dynamo.utils import orig_code_map
+
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and reason.graph_break:
+        return False
+    frame, caller = sys._getframe(1), None
+    while frame is not None:  # the caller of the frame being compiled: above Dynamo's outermost callback frame
+        if frame.f_code.co_filename.endswith("torch/_dynamo/convert_frame.py"):
+            caller = frame.f_back
+        frame = frame.f_back
+    frame = caller
+    while frame is not None:
+        code, path = frame.f_code, frame.f_code.co_filename
+        if path.endswith("torch/_dynamo/eval_frame.py"):
+            return True
+        if code in orig_code_map:
+            after = [i for i in dis.get_instructions(code) if i.offset > frame.f_lasti and i.opname != "CACHE"]
+            if not after or after[0].opname != "RETURN_VALUE":
+                return False
+        elif not path.endswith("torch/nn/modules/module.py"):
+            return False
+        frame = frame.f_back
+    return False
+
+
+def dtensor_parts(value):
+    """A DTensor's local tensor and its spec (mesh, placements, global shape), to make a subclass
+    instance of the same value."""
+    return value._local_tensor, value._spec
+
+
+def mutates_arguments(op) -> bool:
+    """Whether a torch op writes into any of its arguments (``add_``, ``c10d.allgather_``)."""
+    return op._schema.is_mutable

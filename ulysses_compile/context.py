@@ -19,6 +19,7 @@ class PassContext:
     options: Options
     parameters: frozenset[fx.Node]  # placeholders holding parameters, buffers and ZeRO shards
     data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
+    outputs_to_caller: bool = False  # the graph's outputs go straight to the torch.compile caller (compat)
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:

@@ -7,7 +7,7 @@ into the graph's report. The phases::
     open checkpointed regions, recognize attention forms     (every graph)
     detect attention -> sites                                (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
-    localize ops, redistribute -> gathered outputs,
+    localize ops, redistribute -> gathered and sharded outputs,
     average data-parallel gradients, regather parameters,
     all-to-alls around each site, check local shapes, recompute tags
 
@@ -76,7 +76,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
     _run(report, localize_ops, gm, ctx)
-    report.gathered_outputs = _run(report, redistribute, gm, ctx)
+    outputs = _run(report, redistribute, gm, ctx)
+    report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
     _run(report, average_data_parallel_grads, gm, ctx)
     _run(report, regather_parameters, gm, ctx)
     _run(report, insert_all_to_all, gm, ctx, sites)

@@ -12,6 +12,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .agreement import input_names
 from .collectives import average_grad, gather_objects, mean_over_group, take_block
@@ -99,7 +100,10 @@ def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int] | None]:
 
 def named_tensors(output, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """The tensors in a model's output (a tensor, tuple, list, dict or transformers ModelOutput), named
-    by their path in it: ``loss``, ``logits``, ``0``, ``hidden_states.2``."""
+    by their path in it: ``loss``, ``logits``, ``0``, ``hidden_states.2``. A DTensor is gathered whole
+    (``full_tensor``, differentiable), as eager holds it."""
+    if isinstance(output, DTensor):
+        output = output.full_tensor()
     if isinstance(output, torch.Tensor):
         return [(prefix or "output", output)]
     if isinstance(output, dict):
