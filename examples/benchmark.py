@@ -11,8 +11,8 @@ Every configuration runs in fresh processes, each with the threads of one of P r
 - one:        one process, unsharded, ``torch.compile`` (Inductor), attention by SDPA's causal kernel (an
               HF attention function that ignores the mask HF builds);
 - ulysses:    P ranks, ``torch.compile(model, backend="ulysses", options={"outputs": OUTPUTS})``, every
-              rank passing the global batch. ``--outputs dtensor`` (the backend's default) returns the
-              logits sharded (a ShardedOutput), as the peer's are; ``--outputs gather`` also all-gathers
+              rank passing the global batch. ``--outputs local`` (the default here) keeps the logits
+              sharded, as the peer's are; ``--outputs gather`` (the backend's default) also all-gathers
               the [S, vocab] logits on every rank;
 - deepspeed:  P ranks, the same model in eager with its attention wrapped by DeepSpeed's
               ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
@@ -278,9 +278,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time every configuration this many times, in turn, and keep each one's median")
-    parser.add_argument("--outputs", choices=("dtensor", "local", "gather"), default="dtensor",
-                        help="the ulysses option: the logits sharded (the default; as the peer has them), the "
-                             "rank's block as a plain tensor, or gathered")
+    parser.add_argument("--outputs", choices=("local", "gather", "dtensor"), default="local",
+                        help="the ulysses option: keep the logits sharded (as the peer does) or gather them")
     parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
     args = parser.parse_args()
     rows = []

@@ -4,6 +4,7 @@
     python examples/zero_memory.py --world-size 4 --seq-len 4096
     python examples/zero_memory.py --checkpointing  # gradient checkpointing on every decoder layer
     python examples/zero_memory.py --model mixtral  # 8 experts, top-2, transformers' grouped experts
+    python examples/zero_memory.py --checkpointing --outputs dtensor   # the logits returned sharded
 
 For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers; or a Mixtral of the same
 proportions with 8 experts of a quarter of the MLP's width) and one global batch, each rank reports,
@@ -114,13 +115,14 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     rows = {"1 device": figures(ulysses_compile.parallelize(model(), zero_stage=0, group=alone,
                                                             compiler=args.compiler), args.seq_len)}
     for stage in (0, 1, 2, 3):
-        parallel = ulysses_compile.parallelize(model(), zero_stage=stage, compiler=args.compiler)
+        parallel = ulysses_compile.parallelize(model(), zero_stage=stage, compiler=args.compiler,
+                                               outputs=args.outputs)
         rows[f"stage {stage}"] = figures(parallel, args.seq_len)
     every_rank = gather_objects(rows, dist.group.WORLD)
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
         single = worst["1 device"]
-        print(f"{args.model}, P = {world_size}, S = {args.seq_len}, compiler {args.compiler}"
+        print(f"{args.model}, P = {world_size}, S = {args.seq_len}, compiler {args.compiler}, outputs {args.outputs}"
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
@@ -140,6 +142,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true",
                         help="transformers' gradient checkpointing on every decoder layer (non-reentrant)")
     parser.add_argument("--model", default="llama", choices=("llama", "mixtral"))
+    parser.add_argument("--outputs", default="gather", choices=("gather", "dtensor"),
+                        help="the ulysses option: the logits gathered (the default) or returned as a DTensor")
     launch(run, parser.parse_args())
 
 

@@ -13,10 +13,10 @@ After::
     emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
     logits = linear(h, sync_grad(w_out, group))
     loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
-    return (loss, logits)        # the caller gets logits as a DTensor (outputs="dtensor", boundary.py)
+    return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
 
-An output that cannot leave as a DTensor (a value crossing a graph break, uneven blocks, merged dims;
-or ``outputs="gather"``) is gathered: ``gather_seq(logits, 1, 1, 1, S, rank, P, group)``.
+With ``outputs="dtensor"``, an output that goes straight to the caller stays sharded
+(``return (loss, logits)``) and the caller gets it as a DTensor (``boundary.py``).
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
@@ -259,12 +259,12 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
 
 
 def _why_gathered(placement, shape: list, ctx) -> str:
-    """Why a sequence-sharded output cannot leave as a DTensor (``boundary.py``), or ""."""
-    if ctx.options.outputs == "gather":
-        return 'option outputs="gather"'
+    """Why a sequence-sharded output is gathered, or "" when it leaves as a DTensor (``boundary.py``)."""
     if not ctx.outputs_to_caller:
-        return ("it crosses a graph break, or returns into code that runs before the caller reads it, where a "
-                "DTensor would meet plain tensors; the next graph slices it again")
+        return ("it crosses a graph break, or returns into code that runs before the caller reads it; the next "
+                "graph slices it again")
+    if ctx.options.outputs == "gather":
+        return 'option outputs="gather" (outputs="dtensor" returns it as a DTensor, sharded)'
     if not isinstance(placement, Shard):
         return "it is sharded inside merged dims (as [B*S, V] is), which no DTensor placement describes"
     if not even_blocks(shape[placement.dim], ctx.world_size):

@@ -73,20 +73,12 @@ def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
     assert [fallback.op for fallback in report.fallbacks] == ["scaled_dot_product_attention"] * 2, report.fallbacks
 
 
-def test_returned_attention_weights_leave_on_the_ranks_heads_or_gathered(fake_group):
+def test_reused_attention_weights_are_gathered_whole(fake_group):
     fake_group(4, rank=3)
     model, args, kwargs = FORMS["attention_weights_returned"]()
     (gm,) = rewritten_graphs(model, args, kwargs)
-    assert not [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
-    (output,) = gm.graph.find_nodes(op="output")
-    returned = {position: tuple(arg.meta["val"].shape) for position, arg in enumerate(output.args[0])}
-    sharded = gm.meta["ulysses_report"].sharded_outputs
-    assert [(returned[position], dim) for position, dim in sharded.items() if len(returned[position]) == 4] \
-        == [((2, 1, 32, 32), 1)]  # this rank's head, returned as a DTensor sharded on the heads
-    torch.compiler.reset()
-    (gm,) = rewritten_graphs(model, args, kwargs, outputs="gather")
     weights = [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
-    assert [tuple(n.args[0].meta["val"].shape) for n in weights] == [(2, 1, 32, 32)]
+    assert [tuple(n.args[0].meta["val"].shape) for n in weights] == [(2, 1, 32, 32)]  # this rank's head
     assert [tuple(n.meta["val"].shape) for n in weights] == [(2, 4, 32, 32)]
 
 

@@ -45,8 +45,7 @@ def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
     assert totals[("forward", "all_to_all")] == (4 * layers, forward * layers)
     assert totals[("backward", "all_to_all")] == (4 * layers, backward * layers)
     assert report.ulysses_minimum_bytes == report.all_to_all_bytes() == layers * (forward + backward)
-    # the logits leave sharded (a ShardedOutput) where P divides the length; uneven blocks are gathered
-    assert totals.get(("forward", "all_gather"), (0, 0))[0] == (seq % world_size != 0)
+    assert totals[("forward", "all_gather")][0] == 1  # the logits, gathered for the output
     assert totals[("forward", "all_reduce")][0] == 2  # the loss: its sum and its token count
     parameters = len(list(model.parameters()))
     syncs = [call for call in report.collectives if call.purpose == "sync_grad"]

@@ -2,7 +2,6 @@
 parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
 
 from .backend import ulysses
-from .boundary import ShardedOutput
 from .data import SequenceParallelLoader
 from .errors import (
     CollectiveError,
@@ -28,7 +27,6 @@ __all__ = [
     "RankMismatchError",
     "Report",
     "SequenceParallelLoader",
-    "ShardedOutput",
     "UlyssesError",
     "UnsupportedError",
     "VerificationError",

@@ -34,7 +34,6 @@ __all__ = [
     "aot_autograd",
     "compile_fx",
     "list_mode_options",
-    "dtensor_parts",
     "dynamo_counters",
     "register_fake_backend",
     "returns_to_compile_caller",
@@ -49,7 +48,6 @@ __all__ = [
     "symbolic_hint",
     "tag_recompute",
     "min_cut_rematerialization_partition",
-    "mutates_arguments",
     "no_graph_cse",
     "run_and_get_code",
     "statically_known_true",
@@ -199,13 +197,3 @@ def returns_to_compile_caller(gm) -> bool:
         frame = frame.f_back
     return False
 
-
-def dtensor_parts(value):
-    """A DTensor's local tensor and its spec (mesh, placements, global shape), to make a subclass
-    instance of the same value."""
-    return value._local_tensor, value._spec
-
-
-def mutates_arguments(op) -> bool:
-    """Whether a torch op writes into any of its arguments (``add_``, ``c10d.allgather_``)."""
-    return op._schema.is_mutable

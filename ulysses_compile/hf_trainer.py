@@ -32,8 +32,6 @@ import inspect
 
 from transformers import Trainer, TrainingArguments
 
-from .boundary import whole
-from .compat import tree_map
 from .data import SequenceParallelLoader
 from .errors import OptionsError
 from .zero import parallelize, save_pretrained
@@ -87,11 +85,6 @@ class SequenceParallelTrainer(Trainer):
                 f"{per_draw} (eval batch size {self.args.eval_batch_size} x {self.args.world_size} ranks); Trainer "
                 f"would truncate the last uneven batch on the wrong copies. Trim or pad it to a multiple"
             )
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """Trainer's, with the logits whole: Trainer gathers predictions across ranks as plain tensors."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        return loss, tree_map(whole, logits), labels
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir or self.args.output_dir

@@ -16,10 +16,9 @@ No conversion exists for either; propagation only keeps them where the rows are 
 These are the passes' own types, not DTensor's. DTensor's ``Shard(d)`` means ``torch.chunk``'s blocks
 (6 on 4 ranks: 2, 2, 2, 0); ours are balanced (2, 2, 1, 1), so no rank idles and none holds an empty
 block. DTensor is for what users and torch see: ZeRO's parameters and gradients (``zero.py``, chunk
-blocks as FSDP2 lays them out). No placement of these passes reaches a user as a DTensor
-(``outputs="local"`` returns plain local blocks); a conversion, when one is needed, belongs in this
-module: where P divides the length both layouts are the same blocks, and where it does not a balanced
-block has no DTensor placement and must be gathered or re-sliced first.
+blocks as FSDP2 lays them out) and, with ``outputs="dtensor"``, model outputs (``boundary.py``): where P
+divides the length both layouts are the same blocks, and where it does not a balanced block has no
+DTensor placement and must be gathered or re-sliced first.
 
 Every node of a rewritten graph carries a :class:`NodeSharding` (read with :func:`sharding_of`,
 written only with :func:`place`): the node's global value, its output placement and the placement
