@@ -1,0 +1,278 @@
+"""The longest sequence whose training step fits a per-rank memory cap, for one process, the ulysses
+backend and DeepSpeed-Ulysses, on P CPU (gloo) ranks.
+
+    python examples/max_length.py                                  # P = 2, cap 1 GiB per rank
+    python examples/max_length.py --world-sizes 2 4 --cap-mib 1536 --out max_length
+
+The model has real proportions for its size: a transformers Llama with a 32K vocabulary (hidden 256,
+4 layers, 8 heads), one sequence, gradient checkpointing on every decoder layer (non-reentrant), a full
+training step (forward, backward, AdamW step). Configurations, each in fresh processes:
+
+- one:             one process, ``torch.compile`` (aot_eager, as all compiled rows here, to keep the
+                   many compiles of a search short);
+- ulysses:         P ranks, ``backend="ulysses"`` with the options a README user has (the logits
+                   gathered);
+- ulysses_memory:  P ranks, every memory option on: ``parallelize(zero_stage=3, outputs="dtensor")``
+                   (the logits returned sharded, parameters, gradients and AdamW state in 1/P);
+- deepspeed:       P ranks, DeepSpeed's ``DistributedAttention`` in eager, fed each rank's block, its
+                   position ids and pre-shifted labels, a hand-written global loss and one flat gradient
+                   all-reduce (examples/benchmark.py's program; needs ``pip install deepspeed``).
+
+Memory is what a rank holds of the model's parameters and AdamW state (counted from the tensors: a
+ZeRO shard is its rows) plus the peak resident memory growth of a measured step after a warm-up step
+(gradients, activations, transients; ``zero_memory.peak_bytes``, glibc returning every block over
+64 KiB at once), the largest rank's. On a CPU nothing fails at a
+cap, so the search measures: the peak is close to linear in S once attention is memory-efficient, so two
+lengths give a line, its crossing with the cap is measured, and the search steps down by bisection
+until a length fits (lengths are multiples of ``--granule`` x P). Printed: the longest length per
+configuration and P, with its measured peak, and its ratio to one process's and DeepSpeed's; written:
+OUT.json and OUT.png (peak memory against S, the cap drawn).
+
+ALST (DeepSpeed's ``UlyssesSPAttentionHF``, ``TiledFusedLogitsLoss``, ``TiledMLP``) is not a row yet:
+its Hugging Face integration is set up through DeepSpeed's engine and data-loader adapter, which this
+script does not drive on CPU; see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, _bytes, peak_bytes
+
+VOCAB = 32768
+CONFIGURATIONS = ("one", "ulysses", "ulysses_memory", "deepspeed")
+
+
+def build_model(seq_len: int, attention: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=seq_len,
+                         attn_implementation=attention)
+    model = LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def token_ids(seq_len: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def compiled_step(model, ids: torch.Tensor):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+
+    return step, model, optimizer
+
+
+def one_process(seq_len: int, world_size: int, rank: int):
+    return compiled_step(torch.compile(build_model(seq_len), backend="aot_eager"), token_ids(seq_len))
+
+
+def ulysses(seq_len: int, world_size: int, rank: int):
+    model = torch.compile(build_model(seq_len), backend="ulysses", options={"compiler": "aot_eager"})
+    return compiled_step(model, token_ids(seq_len))
+
+
+def ulysses_memory(seq_len: int, world_size: int, rank: int):
+    import ulysses_compile
+
+    model = ulysses_compile.parallelize(build_model(seq_len), zero_stage=3, compiler="aot_eager", outputs="dtensor")
+    return compiled_step(model, token_ids(seq_len))
+
+
+def deepspeed(seq_len: int, world_size: int, rank: int):
+    import deepspeed as ds
+    from deepspeed.sequence.layer import DistributedAttention
+    from torch.distributed.nn.functional import all_reduce
+
+    ds.init_distributed(dist_backend="gloo")
+
+    def local_attention(query, key, value, *args, **kwargs):  # [B, S, H/P, D] on every rank
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             is_causal=True)
+        return out.transpose(1, 2)
+
+    distributed = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # HF: [B, H, S/P, D]
+        return distributed(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0), None
+
+    AttentionInterface.register("deepspeed_ulysses", attention)
+    model = build_model(seq_len, attention="deepspeed_ulysses")
+    ids = token_ids(seq_len)
+    block = seq_len // world_size
+    first = rank * block
+    local_ids = ids[:, first:first + block]
+    positions = torch.arange(first, first + block).unsqueeze(0)
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)[:, first:first + block]
+    total_tokens = (shifted != -100).sum()
+    dist.all_reduce(total_tokens)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=local_ids, position_ids=positions, use_cache=False).logits
+        local = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100, reduction="sum")
+        (all_reduce(local) / total_tokens).backward()
+        grads = torch._utils._flatten_dense_tensors([p.grad for p in parameters])
+        dist.all_reduce(grads)
+        for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
+            p.grad.copy_(synced)
+        optimizer.step()
+
+    return step, model, optimizer
+
+
+PROGRAMS = {"one": one_process, "ulysses": ulysses, "ulysses_memory": ulysses_memory, "deepspeed": deepspeed}
+
+
+def _rank(rank: int, world_size: int, port: int, config: str, seq_len: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if config != "one":
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        step, model, optimizer = PROGRAMS[config](seq_len, world_size, rank)
+        step()  # compiles; creates the gradients and the optimizer state
+        held = _bytes(model.parameters()) + _bytes(value for state in optimizer.state.values()
+                                                   for value in state.values())
+        results.put(held + peak_bytes(step))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measured_peak(config: str, world_size: int, seq_len: int) -> int:
+    """The largest rank's peak memory growth of one step of ``config`` at ``seq_len``, in fresh processes."""
+    from benchmark import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    ranks = 1 if config == "one" else world_size
+    os.environ[MMAP_THRESHOLD_ENV] = MMAP_THRESHOLD
+    try:
+        mp.start_processes(_rank, args=(world_size, free_port(), config, seq_len, results), nprocs=ranks,
+                           start_method="spawn")
+    finally:
+        os.environ.pop(MMAP_THRESHOLD_ENV, None)
+    return max(results.get() for _ in range(ranks))
+
+
+def longest(config: str, world_size: int, cap: int, granule: int, probes: dict) -> int:
+    """The longest multiple of ``granule`` whose step peaks within ``cap``; ``probes`` collects every
+    measurement (length -> bytes)."""
+
+    def fits(length: int) -> bool:
+        if length not in probes:
+            started = time.perf_counter()
+            probes[length] = measured_peak(config, world_size, length)
+            log(f"{config} P={world_size} S={length}: {probes[length] / 2**20:.0f} MiB "
+                f"({time.perf_counter() - started:.0f} s)")
+        return probes[length] <= cap
+
+    first, second = 2 * granule, 4 * granule
+    if not fits(first):
+        return 0
+    fits(second)
+    slope = max((probes[second] - probes[first]) / (second - first), 1.0)
+    guess = max(second, int(first + (cap - probes[first]) / slope) // granule * granule)
+    low, high = first, None  # low fits; high, once found, does not
+    for candidate in [second, guess, *(guess + guess * step // 4 for step in range(1, 8))]:
+        candidate = candidate // granule * granule
+        if candidate <= low:
+            continue
+        if not fits(candidate):
+            high = candidate
+            break
+        low = candidate
+    if high is None:
+        return low
+    while high - low > granule:
+        middle = (low + high) // 2 // granule * granule
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--cap-mib", type=int, default=1024, help="memory cap per rank (peak growth of a step)")
+    parser.add_argument("--granule", type=int, default=256, help="lengths searched are multiples of this x P")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
+    parser.add_argument("--out", default="max_length", help="writes OUT.json and OUT.png")
+    args = parser.parse_args()
+    cap = args.cap_mib * 2**20
+    rows = []
+
+    def search(config: str, world_size: int) -> dict:
+        probes: dict[int, int] = {}
+        granule = args.granule * (1 if config == "one" else world_size)
+        length = longest(config, world_size, cap, granule, probes)
+        return {"config": config, "P": world_size, "longest": length, "peak_bytes": probes.get(length, 0),
+                "probes": dict(sorted(probes.items()))}
+
+    one = search("one", 1) if "one" in args.configs else None  # one process does not depend on P
+    for world_size in args.world_sizes:
+        rows += [{**one, "P": world_size}] if one else []
+        rows += [search(config, world_size) for config in args.configs if config != "one"]
+    report(rows, args.cap_mib)
+    with open(f"{args.out}.json", "w") as out:
+        json.dump({"cap_mib": args.cap_mib, "vocab": VOCAB, "rows": rows}, out, indent=1)
+    plot(rows, args.cap_mib, f"{args.out}.png")
+
+
+def report(rows: list[dict], cap_mib: int) -> None:
+    print(f"longest sequence whose training step fits {cap_mib} MiB per rank (Llama, vocab {VOCAB}, "
+          f"hidden 256, 4 layers, checkpointing, AdamW):")
+    by = {(row["config"], row["P"]): row for row in rows}
+    for (config, world_size), row in by.items():
+        one = by.get(("one", world_size), {}).get("longest") or 0
+        peer = by.get(("deepspeed", world_size), {}).get("longest") or 0
+        ratios = "".join(f"  {row['longest'] / base:.2f}x {name}" for name, base in (("one", one), ("deepspeed", peer))
+                         if base and config not in ("one",) and name != config)
+        print(f"  P={world_size} {config:<15} S = {row['longest']:>6}  peak {row['peak_bytes'] / 2**20:7.0f} MiB{ratios}")
+
+
+def plot(rows: list[dict], cap_mib: int, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        if row["config"] == "one" and row is not rows[0]:
+            continue
+        lengths = sorted(int(length) for length in row["probes"])
+        label = row["config"] if row["config"] == "one" else f"{row['config']} P={row['P']}"
+        axis.plot(lengths, [row["probes"][length] / 2**20 for length in lengths], marker="o", label=label)
+    axis.axhline(cap_mib, color="grey", linestyle="--", label="cap")
+    axis.set_xlabel("sequence length S")
+    axis.set_ylabel("parameters + AdamW state + step peak, per rank (MiB)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
