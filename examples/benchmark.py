@@ -146,34 +146,46 @@ def input_check_seconds(ids: torch.Tensor, calls: int = 20) -> float:
 
 
 def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses: list):
+    register_deepspeed_attention()
+    model = build_model(seq_len, attention="deepspeed_ulysses")
+    return deepspeed_ulysses_step(model, token_ids(seq_len), world_size, rank, on_loss=losses.append), {}
+
+
+def register_deepspeed_attention() -> None:
+    """HF attention ``"deepspeed_ulysses"``: SDPA's causal kernel wrapped by DeepSpeed's
+    ``DistributedAttention`` over the default group."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
-    from torch.distributed.nn.functional import all_reduce
 
     deepspeed.init_distributed(dist_backend="gloo")
-    group = dist.group.WORLD
 
     def local_attention(query, key, value, *args, **kwargs):  # [B, S, H/P, D] on every rank
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                              is_causal=True)
         return out.transpose(1, 2)
 
-    distributed = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
+    distributed = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
 
     def attention(module, query, key, value, attention_mask, **kwargs):  # HF: [B, H, S/P, D]
         out = distributed(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0)
         return out, None  # [B, S/P, H, D], as HF's attention functions return
 
     AttentionInterface.register("deepspeed_ulysses", attention)
-    model = build_model(seq_len, attention="deepspeed_ulysses")
-    ids = token_ids(seq_len)
+
+
+def deepspeed_ulysses_step(model, ids: torch.Tensor, world_size: int, rank: int, optimizer=None, on_loss=None):
+    """A DeepSpeed-Ulysses training step as its users write it: the model (with the
+    ``"deepspeed_ulysses"`` attention) fed this rank's block of ``ids``, its position ids and pre-shifted
+    labels, a hand-written global loss, one flat all-reduce of the gradients, then ``optimizer.step()``."""
+    from torch.distributed.nn.functional import all_reduce
+
+    seq_len = ids.shape[1]
     block = seq_len // world_size
     first_token = rank * block
     local_ids = ids[:, first_token:first_token + block]
     positions = torch.arange(first_token, first_token + block).unsqueeze(0)
     shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)[:, first_token:first_token + block]
-    tokens = (shifted != -100).sum()
-    total_tokens = tokens.clone()
+    total_tokens = (shifted != -100).sum()
     dist.all_reduce(total_tokens)
     parameters = [p for p in model.parameters() if p.requires_grad]
 
@@ -187,9 +199,12 @@ def deepspeed_rank(rank: int, world_size: int, seq_len: int, outputs: str, losse
         dist.all_reduce(grads)
         for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
             p.grad.copy_(synced)
-        losses.append(loss.item())
+        if optimizer is not None:
+            optimizer.step()
+        if on_loss is not None:
+            on_loss(loss.item())
 
-    return step, {}
+    return step
 
 
 CONFIGURATIONS = {"one": one_process, "ulysses": ulysses_rank, "ulysses_compute_only": ulysses_rank,

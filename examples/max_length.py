@@ -2,7 +2,7 @@
 backend and DeepSpeed-Ulysses, on P CPU (gloo) ranks.
 
     python examples/max_length.py                                  # P = 2, cap 1 GiB per rank
-    python examples/max_length.py --world-sizes 2 4 --cap-mib 1536 --out max_length
+    python examples/max_length.py --world-sizes 2 4 --cap-mib 768 --granule 128 --out max_length
 
 The model has real proportions for its size: a transformers Llama with a 32K vocabulary (hidden 256,
 4 layers, 8 heads), one sequence, gradient checkpointing on every decoder layer (non-reentrant), a full
@@ -44,8 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, _bytes, peak_bytes
 
 VOCAB = 32768
@@ -94,47 +93,12 @@ def ulysses_memory(seq_len: int, world_size: int, rank: int):
 
 
 def deepspeed(seq_len: int, world_size: int, rank: int):
-    import deepspeed as ds
-    from deepspeed.sequence.layer import DistributedAttention
-    from torch.distributed.nn.functional import all_reduce
+    from benchmark import deepspeed_ulysses_step, register_deepspeed_attention
 
-    ds.init_distributed(dist_backend="gloo")
-
-    def local_attention(query, key, value, *args, **kwargs):  # [B, S, H/P, D] on every rank
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             is_causal=True)
-        return out.transpose(1, 2)
-
-    distributed = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):  # HF: [B, H, S/P, D]
-        return distributed(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0), None
-
-    AttentionInterface.register("deepspeed_ulysses", attention)
+    register_deepspeed_attention()
     model = build_model(seq_len, attention="deepspeed_ulysses")
-    ids = token_ids(seq_len)
-    block = seq_len // world_size
-    first = rank * block
-    local_ids = ids[:, first:first + block]
-    positions = torch.arange(first, first + block).unsqueeze(0)
-    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)[:, first:first + block]
-    total_tokens = (shifted != -100).sum()
-    dist.all_reduce(total_tokens)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=local_ids, position_ids=positions, use_cache=False).logits
-        local = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100, reduction="sum")
-        (all_reduce(local) / total_tokens).backward()
-        grads = torch._utils._flatten_dense_tensors([p.grad for p in parameters])
-        dist.all_reduce(grads)
-        for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
-            p.grad.copy_(synced)
-        optimizer.step()
-
-    return step, model, optimizer
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return deepspeed_ulysses_step(model, token_ids(seq_len), world_size, rank, optimizer), model, optimizer
 
 
 PROGRAMS = {"one": one_process, "ulysses": ulysses, "ulysses_memory": ulysses_memory, "deepspeed": deepspeed}
