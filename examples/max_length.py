@@ -38,12 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchmark import free_port, log, threads_per_rank
 from transformers import LlamaConfig, LlamaForCausalLM
 from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, _bytes, peak_bytes
 
@@ -106,7 +106,7 @@ PROGRAMS = {"one": one_process, "ulysses": ulysses, "ulysses_memory": ulysses_me
 
 def _rank(rank: int, world_size: int, port: int, config: str, seq_len: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads_per_rank(world_size))
     if config != "one":
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -122,8 +122,6 @@ def _rank(rank: int, world_size: int, port: int, config: str, seq_len: int, resu
 
 def measured_peak(config: str, world_size: int, seq_len: int) -> int:
     """The largest rank's peak memory growth of one step of ``config`` at ``seq_len``, in fresh processes."""
-    from benchmark import free_port
-
     results = mp.get_context("spawn").SimpleQueue()
     ranks = 1 if config == "one" else world_size
     os.environ[MMAP_THRESHOLD_ENV] = MMAP_THRESHOLD
@@ -168,10 +166,6 @@ def longest(config: str, world_size: int, cap: int, granule: int, probes: dict) 
         middle = (low + high) // 2 // granule * granule
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -196,4 +196,3 @@ def returns_to_compile_caller(gm) -> bool:
             return False
         frame = frame.f_back
     return False
-
