@@ -4,7 +4,8 @@
     python examples/zero_memory.py --world-size 4 --seq-len 4096
     python examples/zero_memory.py --checkpointing  # gradient checkpointing on every decoder layer
     python examples/zero_memory.py --model mixtral  # 8 experts, top-2, transformers' grouped experts
-    python examples/zero_memory.py --checkpointing --outputs dtensor   # the logits returned sharded
+    python examples/zero_memory.py --checkpointing --outputs gather    # the logits gathered in the graph
+    python examples/zero_memory.py --checkpointing --vocab 32768 --seq-len 8192 --stages 0   # long context
 
 For a Llama of about 7M parameters (vocab 8192, hidden 256, 4 layers; or a Mixtral of the same
 proportions with 8 experts of a quarter of the MLP's width) and one global batch, each rank reports,
@@ -39,9 +40,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", str(64 * 1024)
 
 
-def build_model(seq_len: int, checkpointing: bool = False, kind: str = "llama"):
+def build_model(seq_len: int, checkpointing: bool = False, kind: str = "llama", vocab: int = 8192):
     torch.manual_seed(0)
-    shape = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+    shape = dict(vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=seq_len)
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=172, num_local_experts=8, num_experts_per_tok=2,
@@ -54,8 +55,8 @@ def build_model(seq_len: int, checkpointing: bool = False, kind: str = "llama"):
     return model
 
 
-def batch(seq_len: int) -> dict:
-    ids = torch.randint(0, 8192, (1, seq_len), generator=torch.Generator().manual_seed(0))
+def batch(seq_len: int, vocab: int = 8192) -> dict:
+    ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
@@ -90,8 +91,8 @@ def measured_step(model, optimizer, inputs) -> int:
     return peak_bytes(step)
 
 
-def figures(model, seq_len: int) -> tuple[int, int, int, int]:
-    inputs = batch(seq_len)
+def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int]:
+    inputs = batch(seq_len, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(**inputs).loss.backward()  # compiles; creates the gradients and the optimizer state
     optimizer.step()
@@ -110,19 +111,19 @@ def run(rank: int, world_size: int, port: int, args) -> None:
 
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     def model():
-        return build_model(args.seq_len, args.checkpointing, args.model)
+        return build_model(args.seq_len, args.checkpointing, args.model, args.vocab)
 
     rows = {"1 device": figures(ulysses_compile.parallelize(model(), zero_stage=0, group=alone,
-                                                            compiler=args.compiler), args.seq_len)}
-    for stage in (0, 1, 2, 3):
+                                                            compiler=args.compiler), args.seq_len, args.vocab)}
+    for stage in args.stages:
         parallel = ulysses_compile.parallelize(model(), zero_stage=stage, compiler=args.compiler,
                                                outputs=args.outputs)
-        rows[f"stage {stage}"] = figures(parallel, args.seq_len)
+        rows[f"stage {stage}"] = figures(parallel, args.seq_len, args.vocab)
     every_rank = gather_objects(rows, dist.group.WORLD)
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
         single = worst["1 device"]
-        print(f"{args.model}, P = {world_size}, S = {args.seq_len}, compiler {args.compiler}, outputs {args.outputs}"
+        print(f"{args.model} (vocab {args.vocab}), P = {world_size}, S = {args.seq_len}, compiler {args.compiler}, outputs {args.outputs}"
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
@@ -142,8 +143,11 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true",
                         help="transformers' gradient checkpointing on every decoder layer (non-reentrant)")
     parser.add_argument("--model", default="llama", choices=("llama", "mixtral"))
-    parser.add_argument("--outputs", default="gather", choices=("gather", "dtensor"),
-                        help="the ulysses option: the logits gathered (the default) or returned as a DTensor")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=(0, 1, 2, 3))
+    parser.add_argument("--outputs", default="lazy", choices=("lazy", "gather", "dtensor"),
+                        help="the ulysses option: the logits gathered when read (the default), gathered in the "
+                             "graph, or returned as a DTensor")
     launch(run, parser.parse_args())
 
 

@@ -15,8 +15,9 @@ After::
     loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
     return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
 
-With ``outputs="dtensor"``, an output that goes straight to the caller stays sharded
-(``return (loss, logits)``) and the caller gets it as a DTensor (``boundary.py``).
+By default (``outputs="lazy"``) and with ``outputs="dtensor"``, an output that goes straight to the
+caller stays sharded (``return (loss, logits)``); the caller gets a tensor gathered when read, or a
+DTensor (``boundary.py``).
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ulysses_compile.boundary import even_blocks
+from ulysses_compile.boundary import SequenceBlocks, even_blocks
 from ulysses_compile.collectives import (
     add_previous_ranks_totals,
     gather_seq,
@@ -62,6 +63,7 @@ from ulysses_compile.sharding import (
     seq_factors,
     sharding_of,
 )
+from ulysses_compile.sizes import is_symbolic
 
 from .in_place_writes import alias_bases, may_alias, written_bases
 from .rules import mutated_arg
@@ -226,7 +228,7 @@ def redistribute(gm: fx.GraphModule, ctx) -> Outputs:
 @dataclass
 class Outputs:
     gathered: list[str] = field(default_factory=list)  # a line for each sequence-sharded output gathered
-    sharded: dict[int, int] = field(default_factory=dict)  # output position -> the dim it leaves sharded on
+    sharded: dict[int, SequenceBlocks] = field(default_factory=dict)  # output position -> how it leaves sharded
 
 
 def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, writes: _Writes) -> Outputs:
@@ -245,7 +247,9 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
         shape = list(sharding.global_value.shape)
         why = _why_gathered(completed(have), shape, ctx)
         if not why:
-            found.sharded[position] = completed(have).dim
+            dim, outer, inner = seq_factors(completed(have))
+            length = shape[dim] // (outer * inner)
+            found.sharded[position] = SequenceBlocks(dim, outer, inner, None if is_symbolic(length) else length)
             return redistributor.to(arg, have, completed(have), before, version)
         found.gathered.append(f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered: {why}")
         log.info("ulysses_compile: %s", found.gathered[-1])
@@ -259,15 +263,19 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
 
 
 def _why_gathered(placement, shape: list, ctx) -> str:
-    """Why a sequence-sharded output is gathered, or "" when it leaves as a DTensor (``boundary.py``)."""
+    """Why a sequence-sharded output is gathered in the graph, or "" when it leaves sharded
+    (``boundary.py``)."""
     if not ctx.outputs_to_caller:
         return ("it crosses a graph break, or returns into code that runs before the caller reads it; the next "
                 "graph slices it again")
     if ctx.options.outputs == "gather":
-        return 'option outputs="gather" (outputs="dtensor" returns it as a DTensor, sharded)'
-    if not isinstance(placement, Shard):
+        return 'option outputs="gather" (the default, outputs="lazy", gathers it when read)'
+    dim, outer, inner = seq_factors(placement)
+    length = shape[dim] // (outer * inner)
+    if ctx.options.outputs == "dtensor" and not isinstance(placement, Shard):
         return "it is sharded inside merged dims (as [B*S, V] is), which no DTensor placement describes"
-    if not even_blocks(shape[placement.dim], ctx.world_size):
-        return (f"P = {ctx.world_size} does not divide its {shape[placement.dim]} positions, and DTensor's blocks "
-                f"(torch.chunk's) differ from the balanced ones here")
+    if not even_blocks(length, ctx.world_size) and (ctx.options.outputs == "dtensor" or is_symbolic(length)):
+        return (f"P = {ctx.world_size} does not divide its {length} positions, and " + (
+            "DTensor's blocks (torch.chunk's) differ from the balanced ones here" if ctx.options.outputs == "dtensor"
+            else "the graph, compiled for every length, could not tell the length from the rank's block"))
     return ""

@@ -11,6 +11,7 @@ import torch
 from attention_forms import FORMS, outputs_of
 from multirank import compare_model, run_ranks
 from graphs import calls, rewritten_graphs
+from ulysses_compile.boundary import SequenceBlocks
 from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads
 
 SDPA = "scaled_dot_product_attention"
@@ -76,10 +77,14 @@ def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
 def test_reused_attention_weights_are_gathered_whole(fake_group):
     fake_group(4, rank=3)
     model, args, kwargs = FORMS["attention_weights_returned"]()
-    (gm,) = rewritten_graphs(model, args, kwargs)
+    (gm,) = rewritten_graphs(model, args, kwargs, outputs="gather")
     weights = [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
     assert [tuple(n.args[0].meta["val"].shape) for n in weights] == [(2, 1, 32, 32)]  # this rank's head
     assert [tuple(n.meta["val"].shape) for n in weights] == [(2, 4, 32, 32)]
+    torch.compiler.reset()
+    (gm,) = rewritten_graphs(model, args, kwargs)  # by default they leave as this rank's head, gathered when read
+    assert SequenceBlocks(1, 1, 1, 4) in gm.meta["ulysses_report"].sharded_outputs.values()
+    assert not [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
 
 
 def test_cross_attention_sends_each_sequence_by_its_own_all_to_all(fake_group):

@@ -35,7 +35,7 @@ def test_unknown_option_lists_the_valid_ones():
     "options,expected",
     [
         ({"compiler": "tvm"}, "compiler='tvm': expected one of ['inductor', 'aot_eager', 'eager']"),
-        ({"outputs": "scatter"}, "outputs='scatter': expected one of ['gather', 'local', 'dtensor']"),
+        ({"outputs": "scatter"}, "outputs='scatter': expected one of ['lazy', 'gather', 'local', 'dtensor']"),
         ({"verify": "yes"}, "verify='yes': expected True, False or 'short'"),
         ({"group": 3}, "expected a torch.distributed.ProcessGroup"),
     ],

@@ -1,6 +1,8 @@
-"""With ``outputs="dtensor"``, sequence-sharded outputs leave the compiled model as DTensors: whole on
-request (``full_tensor``) and exact against eager, never gathered when nobody asks; the outputs that
-cannot be DTensors are gathered, with the reason in the report."""
+"""Sequence-sharded outputs leave the compiled model sharded. By default (``outputs="lazy"``) as tensors
+that read as eager's and are gathered the first time they are read, so a loop that trains on ``.loss``
+never gathers the logits; with ``outputs="dtensor"`` as DTensors, whole on request (``full_tensor``).
+Both exact against eager; the outputs that cannot leave sharded are gathered, with the reason in the
+report."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import nanogpt
 from graphs import reporting_backend, rewritten_graphs
 from models import VOCAB, tiny_llama, token_batch
-from multirank import compare_model, run_ranks
+from multirank import assert_close, compare_model, run_ranks
 from sequence_models import graph_break_gpt
 
+from ulysses_compile.boundary import GatheredOnUse, SequenceBlocks
 from ulysses_compile.compat import BackendCompilerFailed
+from ulysses_compile.errors import CollectiveError
 
 DTENSORS = {"outputs": "dtensor"}
 
@@ -85,7 +89,7 @@ def test_per_token_log_probs_from_dtensor_logits_equal_eager():
     run_ranks(log_probs_outside_the_model, 2)
 
 
-def test_outputs_that_cannot_be_dtensors_are_gathered_with_the_reason(fake_group):
+def test_outputs_that_cannot_leave_sharded_are_gathered_with_the_reason(fake_group):
     fake_group(2)
     model, args, kwargs = nanogpt.make(seq_len=31)
     (gm,) = rewritten_graphs(model, args, kwargs, **DTENSORS)
@@ -93,12 +97,15 @@ def test_outputs_that_cannot_be_dtensors_are_gathered_with_the_reason(fake_group
     assert report.sharded_outputs == {} and len(report.gathered_outputs) == 1
     assert "P = 2 does not divide its 31 positions" in report.gathered_outputs[0]
     torch.compiler.reset()
+    (gm,) = rewritten_graphs(model, args, kwargs)  # the default: sharded in uneven blocks of a known length
+    assert gm.meta["ulysses_report"].sharded_outputs == {0: SequenceBlocks(1, 1, 1, 31)}
+    torch.compiler.reset()
     model, args, kwargs = nanogpt.make(seq_len=32)
-    (gm,) = rewritten_graphs(model, args, kwargs)  # the default: gathered
+    (gm,) = rewritten_graphs(model, args, kwargs, outputs="gather")
     assert ['option outputs="gather"' in line for line in gm.meta["ulysses_report"].gathered_outputs] == [True]
     torch.compiler.reset()
     (gm,) = rewritten_graphs(model, args, kwargs, **DTENSORS)
-    assert gm.meta["ulysses_report"].sharded_outputs == {0: 1}  # nanogpt returns (logits, loss)
+    assert gm.meta["ulysses_report"].sharded_outputs == {0: SequenceBlocks(1, 1, 1, 32)}  # (logits, loss)
 
 
 class _BreaksFirst(torch.nn.Module):
@@ -123,7 +130,8 @@ def test_values_crossing_a_graph_break_are_gathered_and_the_callers_are_not(fake
     torch.compiler.reset()
     model, args, kwargs = nanogpt.make(seq_len=32)
     (gm,) = rewritten_graphs(_BreaksFirst(model), args, kwargs, **DTENSORS)
-    assert gm.meta["ulysses_report"].sharded_outputs == {0: 1} and gm.meta["ulysses_report"].gathered_outputs == []
+    report = gm.meta["ulysses_report"]
+    assert report.sharded_outputs == {0: SequenceBlocks(1, 1, 1, 32)} and report.gathered_outputs == []
 
 
 def test_a_dtensor_input_without_plain_tensors_to_meet_is_refused_with_what_to_do(fake_group):
@@ -135,3 +143,110 @@ def test_a_dtensor_input_without_plain_tensors_to_meet_is_refused_with_what_to_d
     hidden = DTensor.from_local(torch.randn(2, 8, 16), mesh, [Shard(1)], run_check=False)
     with pytest.raises(BackendCompilerFailed, match=r"input x is a DTensor placed \(Shard\(dim=1\),\).*x.full_tensor\(\)"):
         torch.compile(lambda x: x.softmax(-1) * 2, backend="ulysses")(hidden)
+
+
+def lazy_logits(rank, world_size, seq):
+    model = tiny_llama(layers=2)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=seq)
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+    (report,) = reports
+    _parallelized(report, layers=2)
+    logits = got.logits
+    assert isinstance(logits, GatheredOnUse) and logits.shape == (2, seq, VOCAB), (type(logits), logits.shape)
+    detached = logits.detach()
+    got.loss.backward()
+    assert not logits.gathered and not detached.gathered  # training on .loss never gathers the logits
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (logits, want.logits)})
+    assert logits.gathered and detached.gathered and torch.equal(detached, logits)
+    assert_close(f"rank {rank} logits.tolist()", torch.tensor(logits.tolist()), want.logits)
+    assert repr(logits).startswith("tensor(")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [(2, 64), (4, 62)])
+def test_logits_are_gathered_only_when_read_and_equal_eager(world_size, seq):
+    """The default: every attention parallelized and nothing gathered in the graph; the logits leave as
+    the rank's block (uneven at P = 4), untouched by a step on ``.loss``, eager's tensor once read."""
+    run_ranks(lazy_logits, world_size, seq)
+
+
+def _written_and_scored(logits, labels):
+    """A loss outside the model that writes into the logits first, through a view and in place."""
+    logits[:, 5] = 0.0
+    logits.mul_(0.5)
+    return (_token_log_probs(logits, labels) * torch.linspace(0.5, 1.5, labels.shape[1])).sum()
+
+
+def lazy_logits_outside_the_model(rank, world_size):
+    model = tiny_llama(layers=2)
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=64)
+    reports = []
+    logits = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, use_cache=False).logits
+    _parallelized(reports[0], layers=2)
+    got = _written_and_scored(logits, ids.roll(-1, dims=1))
+    got.backward()
+    want = _written_and_scored(reference(input_ids=ids, use_cache=False).logits, ids.roll(-1, dims=1))
+    want.backward()
+    compare_model(rank, model, reference, {"loss from written logits": (got, want)})
+
+
+@pytest.mark.multirank
+def test_a_loss_from_written_lazy_logits_outside_the_model_equals_eager():
+    """DPO, GRPO and distillation compute their loss from ``.logits``; here after writes through a view
+    and in place, which land on the gathered tensor and its gradient as eager's do."""
+    run_ranks(lazy_logits_outside_the_model, 2)
+
+
+class _LogitsAndLogProbs(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        return logits, logits.log_softmax(-1)
+
+
+def reads_in_different_orders(rank, world_size):
+    ids, _ = token_batch(seq=32)
+    reports = []
+    outputs = torch.compile(_LogitsAndLogProbs(tiny_llama(layers=2)), backend=reporting_backend(reports))(ids)
+    assert sorted(reports[0].sharded_outputs) == [0, 1], str(reports[0])
+    with pytest.raises(CollectiveError, match=r"the ranks read different outputs: rank [01] read output [01] \(call 0\)"
+                                              r".*same order \(not under `if rank == 0:`\)"):
+        outputs[rank].sum()
+
+
+@pytest.mark.multirank
+def test_ranks_reading_different_outputs_stop_with_what_to_do():
+    """Each first read gathers from every rank; ranks that read different outputs would mix them up."""
+    run_ranks(reads_in_different_orders, 2)
+
+
+def regionally_compiled(rank, world_size):
+    model = tiny_llama(layers=3)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=64)
+    reports = []
+    for layer in model.model.layers:
+        layer.compile(backend=reporting_backend(reports))
+    got = model(input_ids=ids, labels=labels, use_cache=False)
+    assert len(reports) >= 1 and all(len(report.attention_sites) == 1 for report in reports)
+    assert all(report.sharded_outputs and not report.gathered_outputs for report in reports)
+    assert all(not report.replicated for report in reports)
+    got.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+def test_regionally_compiled_layers_take_each_others_lazy_outputs_equal_to_eager():
+    """One compiled decoder layer per layer (torchtitan's and accelerate's regional compilation): each
+    layer's hidden states leave sharded and the next layer's graph takes them, gathered on entry."""
+    run_ranks(regionally_compiled, 2)

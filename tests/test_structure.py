@@ -13,6 +13,7 @@ from expecttest import assert_expected_inline
 from graphs import calls, rewritten_graphs
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError, UnsupportedError
+from ulysses_compile.boundary import SequenceBlocks
 from ulysses_compile.collectives import (
     gather_kv_heads,
     gather_seq,
@@ -43,8 +44,9 @@ def test_llama_has_four_all_to_alls_per_layer_and_local_shapes(fake_group, world
         assert tuple(out.shape) == (2, inp.shape[1] // world_size, seq, head_dim)
     for node in to_seq:
         assert tuple(node.meta["val"].shape) == (2, heads, local, head_dim)
-    # no hidden gathers: only the logits output is gathered, the loss needs two scalar all-reduces
-    assert [tuple(n.args[0].meta["val"].shape) for n in calls(gm, gather_seq)] == [(2, local, 128)]
+    # nothing gathered: the logits leave as the rank's block, the loss needs two scalar all-reduces
+    assert calls(gm, gather_seq) == []
+    assert list(gm.meta["ulysses_report"].sharded_outputs.values()) == [SequenceBlocks(1, 1, 1, seq)]
     assert [n.args[0].meta["val"].dim() for n in calls(gm, reduce_partial)] == [0, 0]
     synced = {n.args[0].name for n in calls(gm, sync_grad)}
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "_parameters_" in n.name]
@@ -135,8 +137,7 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : t
     transpose = heads_to_seq.transpose(1, 2)
     reshape = transpose.reshape((2, 4, 16))
     linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
-    gather_seq = ulysses_compile_collectives_gather_seq(linear_1, dim = 1, outer = 1, inner = 1, length = 8, rank = 0, world_size = 2, group_name = '0')
-    return (gather_seq,)""")
+    return (linear_1,)""")
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -178,8 +179,8 @@ def test_sequences_that_do_not_divide_split_in_balanced_blocks(fake_group, seq, 
     assert scatter.kwargs["dim"] == 1 and tuple(scatter.meta["val"].shape) == (seq, local)
     for node in calls(gm, seq_to_heads):
         assert node.args[0].meta["val"].shape[2] == local and node.meta["val"].shape[2] == seq
-    (logits,) = calls(gm, gather_seq)
-    assert tuple(logits.meta["val"].shape) == (seq, seq, 128)  # gathered outputs have the original length
+    assert calls(gm, gather_seq) == []  # the logits leave as the rank's block of the sequence's length
+    assert list(gm.meta["ulysses_report"].sharded_outputs.values()) == [SequenceBlocks(1, 1, 1, seq)]
     assert gm.meta["ulysses_report"].fallbacks == []
 
 
@@ -270,7 +271,7 @@ def test_a_new_buffer_of_a_sharded_value_is_made_in_blocks(fake_group):
 
     fake_group(2)
     (gm,) = rewritten_graphs(PROBES["halves_into_new_buffer"](), (torch.randint(0, 32, (2, 15)),))
-    assert gm.meta["ulysses_report"].fallbacks == [] and len(calls(gm, gather_seq)) == 1  # the output
+    assert gm.meta["ulysses_report"].fallbacks == [] and calls(gm, gather_seq) == []
     (made,) = [node for node in gm.graph.nodes if node.target == "new_empty"]
     assert tuple(made.meta["val"].shape)[1] == 8  # rank 0's block of 15 positions
 
@@ -315,7 +316,7 @@ def test_handwritten_attention_runs_on_heads(fake_group):
     (gm,) = rewritten_graphs(ManualAttention(), (torch.randn(2, 32, 16),))
     report = gm.meta["ulysses_report"]
     assert [site.form for site in report.attention_sites] == ["matmul_softmax"]
-    assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output is gathered
+    assert report.fallbacks == [] and calls(gm, gather_seq) == [] and len(report.sharded_outputs) == 1
     shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape))
               for n in calls(gm, seq_to_heads) + calls(gm, heads_to_seq)]
     assert shapes == [
@@ -375,7 +376,7 @@ def test_complex_rotary_embedding_keeps_the_sequence_sharded(fake_group):
     report = gm.meta["ulysses_report"]
     assert len(report.attention_sites) == 1 and "parallelized" in report.attention_sites[0].decision
     assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
-    assert report.fallbacks == [] and len(calls(gm, gather_seq)) == 1  # only the output, gathered by default
+    assert report.fallbacks == [] and calls(gm, gather_seq) == [] and len(report.sharded_outputs) == 1
 
 
 def test_attention_with_sinks_is_parallel_from_the_embedding_on(fake_group):

@@ -19,7 +19,7 @@ from .compat import (
     no_graph_cse,
     returns_to_compile_caller,
 )
-from .boundary import as_dtensors, refuse_dtensor_inputs, sequence_mesh
+from .boundary import leave_sharded, refuse_dtensor_inputs
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -54,7 +54,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
-    compiled = as_dtensors(compiled, report.sharded_outputs, sequence_mesh(opts, group))
+    compiled = leave_sharded(compiled, report.sharded_outputs, opts, group, graph_name)
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
 
 

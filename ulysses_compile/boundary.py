@@ -1,32 +1,62 @@
-"""Where a compiled graph's outputs meet the user's code: with ``outputs="dtensor"``, sequence-sharded
-outputs leave as DTensors.
+"""Where a compiled graph's outputs meet the user's code: a sequence-sharded output leaves the graph as
+the rank's block and reaches the caller gathered only when read (the default, ``outputs="lazy"``), or as
+a DTensor (``outputs="dtensor"``).
 
-A graph output the rewrite leaves sharded along one dim (the logits ``[B, S, V]`` at ``Shard(1)``) is
-then returned as a ``DTensor`` of the global shape, sharded on that dim over the sequence-parallel
-ranks (a one-dim mesh named ``"sp"``). Nothing is gathered unless the user asks (``.full_tensor()``),
-so a loop that reads ``.loss`` never holds the whole ``[S, V]`` logits, and per-token log-probabilities
-computed from them with DTensor's rules (``log_softmax``, ``gather``) stay on the rank's tokens. The
-value follows DTensor's semantics, not a plain tensor's: mixing it with a plain tensor is DTensor's
-error, and a reduction is ``Partial`` until redistributed (DTensor's ``.item()`` of it is the rank's own
-term). That is why it is an option and not the default (docs/how-it-works.md, "Outputs").
+The graph's outputs and what the caller gets, for a model called with labels::
 
-Only outputs that go straight to the ``torch.compile`` caller leave as DTensors
-(``compat.returns_to_compile_caller``). A value crossing a graph break is read by eager code or by the
-next graph, whose other tensors are plain: Dynamo traces a DTensor input with DTensor's rules and
-refuses to mix it with a plain parameter, so such values are gathered, as are outputs of uneven blocks
-(DTensor's ``Shard`` holds ``torch.chunk``'s blocks, ours are balanced; the two agree where P divides
-the length) and outputs sharded over merged dims (``[B*S, V]``), which no DTensor placement describes.
+    return (loss, logits_block)             # the rewritten graph: logits_block is [B, S/P, V]
+    (loss, GatheredOnUse(logits_block))     # lazy: a [B, S, V] tensor, its value eager's
+    (loss, DTensor(logits_block, Shard(1))) # dtensor: a [B, S, V] DTensor over the "sp" mesh
+
+``GatheredOnUse`` reads as the plain tensor eager returns: the first op that reads it (any op but
+``detach``) gathers the whole from every rank and keeps it; the gradient that reaches it goes back to
+the rank's block as ``gather_seq``'s does. A loop that trains on ``.loss`` never gathers the ``[S, V]``
+logits, and one that reads them gets eager's tensor. The gather is a collective: every rank must read
+the same outputs in the same order (an ``if rank == 0:`` around a read leaves the other ranks out of it).
+Each first read starts with a small all-gather naming the output read (graph, position, call), so ranks
+reading different outputs stop with a ``CollectiveError`` rather than mix them up; a rank that never reads
+leaves the others waiting for the process group's timeout, then failing.
+
+A ``DTensor`` keeps DTensor's semantics, not eager's (docs/how-it-works.md, "Outputs"), so it is an
+option. Only outputs that go straight to the ``torch.compile`` caller leave sharded
+(``compat.returns_to_compile_caller``); a value crossing a graph break is gathered inside the graph, as
+are outputs the caller could not be given: a DTensor's ``Shard`` holds ``torch.chunk``'s blocks and no
+placement describes merged dims (``[B*S, V]``), and a lazy output of a graph compiled for every length
+needs P to divide the length to know it.
 """
 
 from __future__ import annotations
 
+import itertools
+import zlib
+from dataclasses import dataclass
+
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DTensorShard
 
-from .compat import statically_known_true
-from .errors import UnsupportedError
+from .collectives import gather_blocks, gather_rows, take_block
+from .compat import disabled_torch_function, is_fake, make_wrapper_subclass, statically_known_true, tree_map
+from .errors import CollectiveError, UnsupportedError
 from .sizes import is_symbolic
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """How an output leaves the graph: its dim ``dim`` read as ``[outer, S, inner]``, the sequence S in
+    the ranks' balanced blocks. ``length`` is S for a graph compiled for one length, None for one
+    compiled for every length (then P divides S, ``even_blocks``)."""
+
+    dim: int
+    outer: int
+    inner: int
+    length: int | None
+
+    def whole_length(self, block: torch.Tensor, world_size: int) -> int:
+        if self.length is not None:
+            return self.length
+        return block.shape[self.dim] // (self.outer * self.inner) * world_size
 
 
 def even_blocks(length, world_size: int) -> bool:
@@ -37,24 +67,190 @@ def even_blocks(length, world_size: int) -> bool:
     return statically_known_true(length % world_size == 0)
 
 
-def as_dtensors(compiled, sharded_outputs: dict[int, int], mesh_of):
-    """``compiled`` with its sequence-sharded outputs (position -> dim) returned as DTensors on
-    ``mesh_of(device_type)``."""
-    if not sharded_outputs:
+@dataclass(frozen=True)
+class _Layout:
+    dim: int
+    outer: int
+    inner: int
+    length: int
+    rank: int
+    world_size: int
+    group_name: str
+
+
+@dataclass(frozen=True)
+class _Read:
+    """Which output a first read gathers, named the same on every rank."""
+
+    name: str  # "output 1 of compiled graph 0/0"
+    graph: int  # a checksum of the graph's name
+    position: int
+    call: int
+
+    def row(self) -> list[int]:
+        return [self.graph, self.position, self.call]
+
+
+class GatheredOnUse(torch.Tensor):
+    """A sequence-sharded graph output with eager's value and shape, holding this rank's block until an
+    op reads it; then the whole, gathered from every rank once and kept (shared with its ``detach``-es)."""
+
+    __torch_function__ = disabled_torch_function
+
+    @staticmethod
+    def __new__(cls, block, whole, layout: _Layout, read: _Read | None, kept: list):
+        source = whole if block is None else block
+        shape = list(source.shape)
+        shape[layout.dim] = layout.outer * layout.length * layout.inner
+        tensor = make_wrapper_subclass(cls, shape, source)
+        tensor._block, tensor._layout, tensor._read, tensor._kept = block, layout, read, kept
+        if whole is not None and not kept:
+            kept.append(whole)
+        return tensor
+
+    def __init__(self, block, whole, layout, read, kept):
+        super().__init__()
+
+    @property
+    def gathered(self) -> bool:
+        """Whether an op has read it (so this rank holds the whole)."""
+        return bool(self._kept)
+
+    def whole(self) -> torch.Tensor:
+        """The tensor eager returns (gathered at the first call on any rank, all ranks together). Traced
+        into a graph, the gather is the graph's and nothing is kept."""
+        if self._kept:
+            return self._kept[0]
+        whole = _gather(self._block, self._layout, self._read)
+        if not is_fake(self._block):
+            self._kept.append(whole)
+        return whole
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self.whole())
+
+    def tolist(self):
+        return self.whole().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.whole().numpy(force=force)
+
+    def __reduce_ex__(self, protocol):
+        return self.whole().__reduce_ex__(protocol)
+
+    def __tensor_flatten__(self):
+        if self._kept:
+            return ["_whole_kept"], (self._layout, True)
+        return ["_block"], (self._layout, False)
+
+    @property
+    def _whole_kept(self) -> torch.Tensor:
+        return self._kept[0]
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        layout, gathered = context
+        if gathered:
+            return GatheredOnUse(None, inner["_whole_kept"], layout, None, [])
+        return GatheredOnUse(inner["_block"], None, layout, None, [])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if func in _KEEPS_BLOCK and isinstance(source, cls) and not source._kept:
+            return cls(func(source._block), None, source._layout, source._read, source._kept)
+        result = func(*tree_map(_whole_of, args), **tree_map(_whole_of, kwargs))
+        if isinstance(source, cls) and _writes_first_argument(func):
+            return source
+        return result
+
+
+_KEEPS_BLOCK = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _whole_of(value):
+    return value.whole() if isinstance(value, GatheredOnUse) else value
+
+
+def _writes_first_argument(func) -> bool:
+    arguments = func._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
+def _gather(block: torch.Tensor, layout: _Layout, read: _Read | None) -> torch.Tensor:
+    if read is None or is_fake(block):  # traced into a graph, which every rank runs alike
+        return gather_blocks(block, layout.dim, layout.outer, layout.inner, layout.length, layout.world_size,
+                             layout.group_name)
+    try:
+        rows = gather_rows(read.row(), block.device, layout.world_size, layout.group_name)
+        if any(row != read.row() for row in rows):
+            others = "; ".join(f"rank {rank} read output {row[1]} (call {row[2]})"
+                               for rank, row in enumerate(rows) if row != read.row())
+            raise CollectiveError(
+                f"rank {layout.rank}: reading the sequence-sharded {read.name} (call {read.call}) gathers it from "
+                f"every rank, and the ranks read different outputs: {others}. Read a compiled model's outputs "
+                f"on every rank in the same order (not under `if rank == 0:`), or compile with "
+                f"options={{'outputs': 'gather'}} to gather them inside the graph"
+            )
+        return gather_blocks(block, layout.dim, layout.outer, layout.inner, layout.length, layout.world_size,
+                             layout.group_name)
+    except RuntimeError as failure:
+        if isinstance(failure, CollectiveError):
+            raise
+        raise CollectiveError(
+            f"rank {layout.rank}: reading the sequence-sharded {read.name} (call {read.call}) gathers it from "
+            f"every rank, and the gather did not complete ({failure}). Another rank did not read it (a read "
+            f"under `if rank == 0:`), or failed: look for its error. Read the outputs on every rank, or compile "
+            f"with options={{'outputs': 'gather'}}"
+        ) from failure
+
+
+class _LeaveSharded(torch.autograd.Function):
+    """The rank's block -> ``GatheredOnUse``; the gradient of the whole goes back as the block's share
+    (the rank's block of it, as ``gather_seq``'s backward)."""
+
+    @staticmethod
+    def forward(ctx, block, layout: _Layout, read: _Read):
+        ctx.layout = layout
+        return GatheredOnUse(block.detach(), None, layout, read, [])
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
+        return block.contiguous(), None, None
+
+
+def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, graph_name: str):
+    """``compiled`` with its sequence-sharded outputs (position -> blocks) returned to the caller as
+    ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``)."""
+    if not sharded:
         return compiled
+    rank, world_size, group_name = group.rank(), group.size(), group.group_name
+    checksum = zlib.crc32(graph_name.encode()) & 0x7FFFFFFF
+    calls = itertools.count()
+    mesh_of = _sequence_mesh(options, group)
 
     def run(*args):
         outputs = list(compiled(*args))
-        for position, dim in sharded_outputs.items():
-            local = outputs[position]
-            outputs[position] = DTensor.from_local(local, mesh_of(local.device.type), [DTensorShard(dim)],
-                                                   run_check=False)
+        call = next(calls)
+        for position, blocks in sharded.items():
+            block = outputs[position]
+            if options.outputs == "dtensor":
+                outputs[position] = DTensor.from_local(block, mesh_of(block.device.type), [DTensorShard(blocks.dim)],
+                                                       run_check=False)
+                continue
+            layout = _Layout(blocks.dim, blocks.outer, blocks.inner, blocks.whole_length(block, world_size), rank,
+                             world_size, group_name)
+            read = _Read(f"output {position} of {graph_name}", checksum, position, call)
+            outputs[position] = _LeaveSharded.apply(block, layout, read)
         return outputs
 
     return run
 
 
-def sequence_mesh(options, group):
+def _sequence_mesh(options, group):
     """The sequence-parallel ranks as a one-dim ``DeviceMesh`` named ``"sp"`` (made once per device type):
     the mesh option's ``"sp"`` dim, or one over ``group``."""
     meshes: dict[str, DeviceMesh] = {}

@@ -41,9 +41,11 @@ __all__ = [
     "COLLECTIVES",
     "add_previous_ranks_totals",
     "average_grad",
+    "gather_blocks",
     "gather_kv_heads",
     "gather_objects",
     "gather_parameter",
+    "gather_rows",
     "gather_seq",
     "heads_to_seq",
     "insert_call",
@@ -171,6 +173,17 @@ def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int,
 def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank: int, world_size: int, group_name: str):
     """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
     return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
+
+
+def gather_blocks(x, dim: int, outer: int, inner: int, length: int, world_size: int, group_name: str):
+    """``gather_seq``'s forward alone, for a value no gradient flows through (below autograd)."""
+    return _gather_blocks(x, dim, outer, inner, length, world_size, group_name)
+
+
+def gather_rows(row: list[int], device, world_size: int, group_name: str) -> list[list[int]]:
+    """Every rank's ``row`` of small integers, in rank order (one all-gather of a tensor)."""
+    mine = torch.tensor([row], dtype=torch.int64, device=device)
+    return _all_gather_dim0(mine, world_size, group_name).tolist()
 
 
 def reduce_partial(x, group_name: str):

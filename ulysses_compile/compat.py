@@ -8,7 +8,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
 from torch._inductor import list_mode_options
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -24,6 +24,9 @@ __all__ = [
     "CompileContext",
     "FakeTensor",
     "FakeTensorMode",
+    "disabled_torch_function",
+    "is_fake",
+    "make_wrapper_subclass",
     "c10d_functional",
     "checkpoint_context_fn",
     "copy_recompute_tag",
@@ -60,6 +63,14 @@ __all__ = [
 import torch  # noqa: E402
 
 c10d_functional = torch.ops._c10d_functional
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(cls, shape, like: torch.Tensor):
+    """A tensor of class ``cls`` and shape ``shape`` with ``like``'s dtype and device and no storage of
+    its own (a ``__torch_dispatch__`` subclass holding other tensors)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
+                                               layout=like.layout, requires_grad=False)
 
 
 def process_group_timeout(group) -> str:

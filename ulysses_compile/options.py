@@ -11,14 +11,14 @@ import torch.distributed as dist
 from .errors import OptionsError
 
 COMPILERS = ("inductor", "aot_eager", "eager")
-OUTPUT_MODES = ("gather", "local", "dtensor")
+OUTPUT_MODES = ("lazy", "gather", "local", "dtensor")
 
 
 @dataclass(frozen=True)
 class Options:
     group: Any = None  # a ProcessGroup; None means the default group
     mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp" (an "sp" of 1: DP only)
-    outputs: str = "gather"  # sequence-sharded outputs: all-gathered; "local": the rank's block; "dtensor": DTensors
+    outputs: str = "lazy"  # sequence-sharded outputs: gathered when read; "gather": in the graph; "local"; "dtensor"
     compiler: str = "inductor"
     verify: bool | str = False  # True: each graph's first call against eager; "short": the same on a short sequence
     dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here

@@ -44,7 +44,7 @@ class GraphReport:
     rejected_attention: list[str] = field(default_factory=list)  # "module: why it is not parallelized"
     replicated: str = ""  # why the whole graph runs unsplit on every rank, if it does
     gathered_outputs: list[str] = field(default_factory=list)  # sharded graph outputs that are gathered
-    sharded_outputs: dict[int, int] = field(default_factory=dict)  # output position -> dim, leaving as a DTensor
+    sharded_outputs: dict = field(default_factory=dict)  # output position -> boundary.SequenceBlocks, leaving sharded
     fallbacks: list[Fallback] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     collectives: list[Collective] = field(default_factory=list)
@@ -63,8 +63,9 @@ class GraphReport:
             counts[c.kind] = counts.get(c.kind, 0) + 1
         lines.append("collectives (forward): " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
         lines += [f"gathered output: {line}" for line in self.gathered_outputs]
-        lines += [f"sharded output: output {position} leaves as a DTensor sharded on dim {dim}"
-                  for position, dim in self.sharded_outputs.items()]
+        lines += [f"sharded output: output {position} leaves sharded on dim {blocks.dim}" + (
+                  f" as [{blocks.outer}, S, {blocks.inner}]" if (blocks.outer, blocks.inner) != (1, 1) else "")
+                  for position, blocks in self.sharded_outputs.items()]
         lines.append(f"fallbacks: {len(self.fallbacks)}")
         lines += [f"  {f}" for f in self.fallbacks]
         lines += [f"note: {note}" for note in self.notes]
