@@ -11,9 +11,9 @@ training step (forward, backward, AdamW step). Configurations, each in fresh pro
 - one:             one process, ``torch.compile`` (aot_eager, as all compiled rows here, to keep the
                    many compiles of a search short);
 - ulysses:         P ranks, ``backend="ulysses"`` with the options a README user has (the logits
-                   gathered);
-- ulysses_memory:  P ranks, every memory option on: ``parallelize(zero_stage=3, outputs="dtensor")``
-                   (the logits returned sharded, parameters, gradients and AdamW state in 1/P);
+                   gathered only when read, the loss over them in chunks of rows);
+- ulysses_memory:  P ranks, every memory option on: ``parallelize(zero_stage=3)`` (parameters,
+                   gradients and AdamW state in 1/P as well);
 - deepspeed:       P ranks, DeepSpeed's ``DistributedAttention`` in eager, fed each rank's block, its
                    position ids and pre-shifted labels, a hand-written global loss and one flat gradient
                    all-reduce (examples/benchmark.py's program; needs ``pip install deepspeed``).
@@ -88,7 +88,7 @@ def ulysses(seq_len: int, world_size: int, rank: int):
 def ulysses_memory(seq_len: int, world_size: int, rank: int):
     import ulysses_compile
 
-    model = ulysses_compile.parallelize(build_model(seq_len), zero_stage=3, compiler="aot_eager", outputs="dtensor")
+    model = ulysses_compile.parallelize(build_model(seq_len), zero_stage=3, compiler="aot_eager")
     return compiled_step(model, token_ids(seq_len))
 
 

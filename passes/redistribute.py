@@ -272,6 +272,8 @@ def _why_gathered(placement, shape: list, ctx) -> str:
         return 'option outputs="gather" (the default, outputs="lazy", gathers it when read)'
     dim, outer, inner = seq_factors(placement)
     length = shape[dim] // (outer * inner)
+    if is_symbolic(outer) or is_symbolic(inner):
+        return f"the dims merged with the sequence have a symbolic size ({outer} x S x {inner})"
     if ctx.options.outputs == "dtensor" and not isinstance(placement, Shard):
         return "it is sharded inside merged dims (as [B*S, V] is), which no DTensor placement describes"
     if not even_blocks(length, ctx.world_size) and (ctx.options.outputs == "dtensor" or is_symbolic(length)):

@@ -224,6 +224,19 @@ def test_redistribute_reduces_partial_sums(fake_group):
 +    cross_entropy = reduce_partial / reduce_partial_1""")
 
 
+def test_tile_token_loss(fake_group):
+    labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    _, report = _report(fake_group, TokenLoss(), _features(), labels)
+    assert_expected_inline(_changes(report, "tile_token_loss"), """\
+-    flatten = linear_1.reshape((8, 16))
+-    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
+-    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy_1, group_name = '0')
++    reshape_1 = reshape.reshape(-1, 16)
++    reshape_2 = linear_1.reshape(-1, 16)
++    token_loss_sum = ulysses_compile_runtime_token_loss_sum(reshape_2, reshape_1, sync_grad_1, scatter_seq_1, -100)
++    reduce_partial = ulysses_compile_collectives_reduce_partial(token_loss_sum, group_name = '0')""")
+
+
 def test_average_data_parallel_grads(fake_group):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -308,7 +321,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 13, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 14, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -26,11 +26,9 @@ import torch.fx as fx
 
 from .collectives import gather_objects
 from .compat import _resolve_process_group, process_group_timeout
-from .errors import CollectiveError, RankMismatchError
+from .boundary import GatheredOnUse
+from .errors import CollectiveError, RankMismatchError, is_collective_failure
 
-# How torch.distributed's backends word a failed collective (gloo raises plain RuntimeErrors).
-_COLLECTIVE_FAILURE = re.compile(
-    r"gloo|nccl|timed out|timeout|pair closure|connection (closed|reset)|process group|broken pipe", re.I)
 
 
 def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
@@ -74,8 +72,7 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_c
                 input_check(args)
             return compiled(*args)
         except RuntimeError as failure:
-            if isinstance(failure, CollectiveError) or not (
-                    isinstance(failure, dist.DistError) or _COLLECTIVE_FAILURE.search(str(failure))):
+            if not is_collective_failure(failure):
                 raise
             raise CollectiveError(
                 f"rank {rank}: a collective of {graph_name} over {world_size} sequence-parallel ranks did not "
@@ -192,8 +189,8 @@ def _fingerprint(value) -> tuple[list[torch.Tensor], bool]:
     sum and position-weighted sum; and whether the input is floating."""
     if isinstance(value, (bool, int, float)):
         return [torch.tensor(float(value), dtype=torch.float64)], False
-    if not isinstance(value, torch.Tensor):
-        return [], False
+    if not isinstance(value, torch.Tensor) or isinstance(value, GatheredOnUse):
+        return [], False  # (an output of a compiled graph, the same on every rank: reading it would gather it)
     flat = value.detach().reshape(-1)
     floating = flat.is_floating_point()
     dtype = torch.float64 if floating else torch.int64

@@ -13,9 +13,10 @@ The graph's outputs and what the caller gets, for a model called with labels::
 the rank's block as ``gather_seq``'s does. A loop that trains on ``.loss`` never gathers the ``[S, V]``
 logits, and one that reads them gets eager's tensor. The gather is a collective: every rank must read
 the same outputs in the same order (an ``if rank == 0:`` around a read leaves the other ranks out of it).
-Each first read starts with a small all-gather naming the output read (graph, position, call), so ranks
-reading different outputs stop with a ``CollectiveError`` rather than mix them up; a rank that never reads
-leaves the others waiting for the process group's timeout, then failing.
+Each first read starts with a small all-gather naming the output read (which call of a graph with lazy
+outputs, which output), so ranks reading different outputs stop with a ``CollectiveError`` rather than
+mix them up; a rank that never reads leaves the others waiting for the process group's timeout, then
+failing. Ops that would change its shape in place (``transpose_``, ``out=``) are refused.
 
 A ``DTensor`` keeps DTensor's semantics, not eager's (docs/how-it-works.md, "Outputs"), so it is an
 option. Only outputs that go straight to the ``torch.compile`` caller leave sharded
@@ -27,8 +28,8 @@ needs P to divide the length to know it.
 
 from __future__ import annotations
 
+import copy
 import itertools
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ from torch.distributed.tensor import Shard as DTensorShard
 
 from .collectives import gather_blocks, gather_rows, take_block
 from .compat import disabled_torch_function, is_fake, make_wrapper_subclass, statically_known_true, tree_map
-from .errors import CollectiveError, UnsupportedError
+from .errors import CollectiveError, UnsupportedError, is_collective_failure
 from .sizes import is_symbolic
 
 
@@ -72,7 +73,6 @@ class _Layout:
     dim: int
     outer: int
     inner: int
-    length: int
     rank: int
     world_size: int
     group_name: str
@@ -80,15 +80,18 @@ class _Layout:
 
 @dataclass(frozen=True)
 class _Read:
-    """Which output a first read gathers, named the same on every rank."""
+    """Which output a first read gathers, named alike on every rank: the calls of graphs that return
+    lazy outputs are collective, so every rank counts them alike."""
 
     name: str  # "output 1 of compiled graph 0/0"
-    graph: int  # a checksum of the graph's name
+    call: int  # of all graphs returning lazy outputs, in this process
     position: int
-    call: int
 
     def row(self) -> list[int]:
-        return [self.graph, self.position, self.call]
+        return [self.call, self.position]
+
+
+_LAZY_CALLS = itertools.count()
 
 
 class GatheredOnUse(torch.Tensor):
@@ -98,17 +101,17 @@ class GatheredOnUse(torch.Tensor):
     __torch_function__ = disabled_torch_function
 
     @staticmethod
-    def __new__(cls, block, whole, layout: _Layout, read: _Read | None, kept: list):
+    def __new__(cls, block, whole, layout: _Layout, length, read: _Read | None, kept: list):
         source = whole if block is None else block
         shape = list(source.shape)
-        shape[layout.dim] = layout.outer * layout.length * layout.inner
+        shape[layout.dim] = layout.outer * length * layout.inner
         tensor = make_wrapper_subclass(cls, shape, source)
         tensor._block, tensor._layout, tensor._read, tensor._kept = block, layout, read, kept
         if whole is not None and not kept:
             kept.append(whole)
         return tensor
 
-    def __init__(self, block, whole, layout, read, kept):
+    def __init__(self, block, whole, layout, length, read, kept):
         super().__init__()
 
     @property
@@ -118,13 +121,18 @@ class GatheredOnUse(torch.Tensor):
 
     def whole(self) -> torch.Tensor:
         """The tensor eager returns (gathered at the first call on any rank, all ranks together). Traced
-        into a graph, the gather is the graph's and nothing is kept."""
+        into a graph, the gather is the graph's, made once per traced tensor."""
         if self._kept:
             return self._kept[0]
-        whole = _gather(self._block, self._layout, self._read)
-        if not is_fake(self._block):
-            self._kept.append(whole)
-        return whole
+        layout = self._layout
+        length = self.shape[layout.dim] // (layout.outer * layout.inner)
+        if is_fake(self._block):  # traced into a graph, which every rank runs alike
+            if getattr(self, "_traced", None) is None:
+                self._traced = gather_blocks(self._block, layout.dim, layout.outer, layout.inner, length,
+                                             layout.world_size, layout.group_name)
+            return self._traced
+        self._kept.append(_gather(self._block, layout, length, self._read))
+        return self._kept[0]
 
     def __repr__(self, *, tensor_contents=None):
         return repr(self.whole())
@@ -135,8 +143,14 @@ class GatheredOnUse(torch.Tensor):
     def numpy(self, *, force: bool = False):
         return self.whole().numpy(force=force)
 
+    def __dlpack__(self, *args, **kwargs):
+        return self.whole().__dlpack__(*args, **kwargs)
+
     def __reduce_ex__(self, protocol):
         return self.whole().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self.whole(), memo)
 
     def __tensor_flatten__(self):
         if self._kept:
@@ -150,16 +164,19 @@ class GatheredOnUse(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
         layout, gathered = context
+        length = outer_size[layout.dim] // (layout.outer * layout.inner)
         if gathered:
-            return GatheredOnUse(None, inner["_whole_kept"], layout, None, [])
-        return GatheredOnUse(inner["_block"], None, layout, None, [])
+            return GatheredOnUse(None, inner["_whole_kept"], layout, length, None, [])
+        return GatheredOnUse(inner["_block"], None, layout, length, None, [])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args else None
         if func in _KEEPS_BLOCK and isinstance(source, cls) and not source._kept:
-            return cls(func(source._block), None, source._layout, source._read, source._kept)
+            return cls(func(source._block), None, source._layout, source.shape[source._layout.dim] // (
+                source._layout.outer * source._layout.inner), source._read, source._kept)
+        _refuse_reshaping_writes(func, args, kwargs)
         result = func(*tree_map(_whole_of, args), **tree_map(_whole_of, kwargs))
         if isinstance(source, cls) and _writes_first_argument(func):
             return source
@@ -178,32 +195,46 @@ def _writes_first_argument(func) -> bool:
     return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
 
 
-def _gather(block: torch.Tensor, layout: _Layout, read: _Read | None) -> torch.Tensor:
-    if read is None or is_fake(block):  # traced into a graph, which every rank runs alike
-        return gather_blocks(block, layout.dim, layout.outer, layout.inner, layout.length, layout.world_size,
-                             layout.group_name)
+def _refuse_reshaping_writes(func, args, kwargs) -> None:
+    """Ops that change a tensor's shape or strides in place (``transpose_``, ``resize_``, ``out=``):
+    the wrapper's own shape would stay the old one."""
+    written = [value for value in (args[:1] if _writes_first_argument(func) else ()) if isinstance(value, GatheredOnUse)]
+    written += [value for value in (kwargs.get("out"),) if isinstance(value, GatheredOnUse)]
+    reshaping = torch.Tag.inplace_view in func.tags or func.__name__.split(".")[0] in ("set_", "resize_") \
+        or "out" in kwargs
+    if written and reshaping:
+        raise UnsupportedError(
+            f"{func.__name__} writes into a sequence-sharded output of the compiled model (gathered when read), "
+            f"changing its shape or strides in place, which it cannot follow; use the op's out-of-place form "
+            f"(x = x.transpose(1, 2), not x.transpose_(1, 2); torch.sum(x, 0), not out=x), or x = x.clone() first"
+        )
+
+
+def _gather(block: torch.Tensor, layout: _Layout, length: int, read: _Read | None) -> torch.Tensor:
+    gather = (block, layout.dim, layout.outer, layout.inner, length, layout.world_size, layout.group_name)
+    if read is None:
+        return gather_blocks(*gather)
     try:
         rows = gather_rows(read.row(), block.device, layout.world_size, layout.group_name)
-        if any(row != read.row() for row in rows):
-            others = "; ".join(f"rank {rank} read output {row[1]} (call {row[2]})"
-                               for rank, row in enumerate(rows) if row != read.row())
-            raise CollectiveError(
-                f"rank {layout.rank}: reading the sequence-sharded {read.name} (call {read.call}) gathers it from "
-                f"every rank, and the ranks read different outputs: {others}. Read a compiled model's outputs "
-                f"on every rank in the same order (not under `if rank == 0:`), or compile with "
-                f"options={{'outputs': 'gather'}} to gather them inside the graph"
-            )
-        return gather_blocks(block, layout.dim, layout.outer, layout.inner, layout.length, layout.world_size,
-                             layout.group_name)
     except RuntimeError as failure:
-        if isinstance(failure, CollectiveError):
+        if not is_collective_failure(failure):
             raise
         raise CollectiveError(
-            f"rank {layout.rank}: reading the sequence-sharded {read.name} (call {read.call}) gathers it from "
-            f"every rank, and the gather did not complete ({failure}). Another rank did not read it (a read "
-            f"under `if rank == 0:`), or failed: look for its error. Read the outputs on every rank, or compile "
-            f"with options={{'outputs': 'gather'}}"
+            f"rank {layout.rank}: reading the sequence-sharded {read.name} gathers it from every rank, and the "
+            f"gather did not complete ({failure}). Another rank did not read it (a read under `if rank == 0:`), "
+            f"or failed: look for its error. Read the outputs on every rank, or compile with "
+            f"options={{'outputs': 'gather'}}"
         ) from failure
+    if any(row != read.row() for row in rows):
+        others = "; ".join(f"rank {rank} read output {row[1]} of lazy call {row[0]}"
+                           for rank, row in enumerate(rows) if row != read.row())
+        raise CollectiveError(
+            f"rank {layout.rank}: reading the sequence-sharded {read.name} (output {read.position} of lazy call "
+            f"{read.call}) gathers it from every rank, and the ranks read different outputs: {others}. Read a "
+            f"compiled model's outputs on every rank in the same order (not under `if rank == 0:`), or compile "
+            f"with options={{'outputs': 'gather'}} to gather them inside the graph"
+        )
+    return gather_blocks(*gather)
 
 
 class _LeaveSharded(torch.autograd.Function):
@@ -211,15 +242,15 @@ class _LeaveSharded(torch.autograd.Function):
     (the rank's block of it, as ``gather_seq``'s backward)."""
 
     @staticmethod
-    def forward(ctx, block, layout: _Layout, read: _Read):
+    def forward(ctx, block, layout: _Layout, length, read: _Read):
         ctx.layout = layout
-        return GatheredOnUse(block.detach(), None, layout, read, [])
+        return GatheredOnUse(block.detach(), None, layout, length, read, [])
 
     @staticmethod
     def backward(ctx, grad):
         layout = ctx.layout
         block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
-        return block.contiguous(), None, None
+        return block.contiguous(), None, None, None
 
 
 def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, graph_name: str):
@@ -228,23 +259,20 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, 
     if not sharded:
         return compiled
     rank, world_size, group_name = group.rank(), group.size(), group.group_name
-    checksum = zlib.crc32(graph_name.encode()) & 0x7FFFFFFF
-    calls = itertools.count()
     mesh_of = _sequence_mesh(options, group)
 
     def run(*args):
         outputs = list(compiled(*args))
-        call = next(calls)
+        call = next(_LAZY_CALLS) if options.outputs == "lazy" else None
         for position, blocks in sharded.items():
             block = outputs[position]
             if options.outputs == "dtensor":
                 outputs[position] = DTensor.from_local(block, mesh_of(block.device.type), [DTensorShard(blocks.dim)],
                                                        run_check=False)
                 continue
-            layout = _Layout(blocks.dim, blocks.outer, blocks.inner, blocks.whole_length(block, world_size), rank,
-                             world_size, group_name)
-            read = _Read(f"output {position} of {graph_name}", checksum, position, call)
-            outputs[position] = _LeaveSharded.apply(block, layout, read)
+            layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name)
+            read = _Read(f"output {position} of {graph_name}", call, position)
+            outputs[position] = _LeaveSharded.apply(block, layout, blocks.whole_length(block, world_size), read)
         return outputs
 
     return run

@@ -26,6 +26,7 @@ __all__ = [
     "FakeTensorMode",
     "disabled_torch_function",
     "is_fake",
+    "log_softmax_backward",
     "make_wrapper_subclass",
     "c10d_functional",
     "checkpoint_context_fn",
@@ -64,6 +65,7 @@ import torch  # noqa: E402
 
 c10d_functional = torch.ops._c10d_functional
 disabled_torch_function = torch._C._disabled_torch_function_impl
+log_softmax_backward = torch.ops.aten._log_softmax_backward_data
 
 
 def make_wrapper_subclass(cls, shape, like: torch.Tensor):

@@ -1,5 +1,19 @@
 """Every error this package raises on purpose is a :class:`UlyssesError`."""
 
+import re
+
+import torch.distributed as dist
+
+# How torch.distributed's backends word a failed collective (gloo raises plain RuntimeErrors).
+_COLLECTIVE_FAILURE = re.compile(
+    r"gloo|nccl|timed out|timeout|pair closure|connection (closed|reset)|process group|broken pipe", re.I)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether a torch error is a collective that did not complete (not one of ours)."""
+    return not isinstance(error, UlyssesError) and (
+        isinstance(error, dist.DistError) or bool(_COLLECTIVE_FAILURE.search(str(error))))
+
 
 class UlyssesError(RuntimeError):
     """Base class: the message names what was found, where, what was expected and what to do."""

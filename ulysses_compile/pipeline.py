@@ -7,7 +7,7 @@ into the graph's report. The phases::
     open checkpointed regions, recognize attention forms     (every graph)
     detect attention -> sites                                (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
-    localize ops, redistribute -> gathered and sharded outputs,
+    localize ops, redistribute -> gathered and sharded outputs, tile token losses,
     average data-parallel gradients, regather parameters,
     all-to-alls around each site, check local shapes, recompute tags
 
@@ -39,6 +39,7 @@ from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .passes.regather_parameters import regather_parameters
+from .passes.tile_token_loss import tile_token_loss
 from .report import Collective, GraphReport
 
 log = logging.getLogger("ulysses_compile")
@@ -78,6 +79,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
+    report.notes += _run(report, tile_token_loss, gm, ctx)
     _run(report, average_data_parallel_grads, gm, ctx)
     _run(report, regather_parameters, gm, ctx)
     _run(report, insert_all_to_all, gm, ctx, sites)

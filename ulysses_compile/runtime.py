@@ -5,9 +5,12 @@ traces through them. They hold no pass logic and import nothing from the passes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .collectives import take_block
+from .compat import log_softmax_backward
 
 
 def attention_output(x, head_axis: int, seq_axis: int):
@@ -98,3 +101,77 @@ def counted_tokens(target, ignore_index, weight):
 def summed_away(x, dim: int):
     """Sum over an empty dim: zeros of ``x``'s dtype, connected to ``x``."""
     return x.sum(dim).to(x.dtype)
+
+
+# Elements of the logits one chunk of token_loss_sum holds at a time (16 MiB in fp32).
+_CHUNK_ELEMENTS = 2**22
+_SUM = 2  # at::Reduction::Sum
+
+
+def token_loss_sum(logits, hidden, weight, target, ignore_index: int):
+    """``cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")`` for
+    ``logits = linear(hidden, weight)`` (``[N, V]`` rows), in chunks of rows; its backward recomputes each
+    chunk's logits and returns the gradients of ``hidden`` and ``weight``, none for ``logits``
+    (passes/tile_token_loss.py). Each chunk computes what eager computes for its rows, in eager's order."""
+    return _token_loss_ops().token_loss_sum(logits, hidden, weight, target, ignore_index)
+
+
+def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // vocab)
+    return [(start, min(step, rows - start)) for start in range(0, rows, step)]
+
+
+@functools.cache
+def _token_loss_ops():
+    """The loss and its backward as custom ops (registered on first use), so AOTAutograd and Inductor
+    see one call for any number of rows, where a Python loop would be unrolled, or could not be for a
+    symbolic length. Hand-written: Liger-Kernel's fused linear cross-entropy is Triton (GPU only), and
+    torch has none."""
+
+    @torch.library.custom_op("ulysses_compile::token_loss_sum", mutates_args=())
+    def forward(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start, size in _chunks(logits.shape[0], logits.shape[1]):
+            total += torch.nn.functional.cross_entropy(logits.narrow(0, start, size).float(),
+                                                       target.narrow(0, start, size), ignore_index=ignore_index,
+                                                       reduction="sum")
+        return total
+
+    @forward.register_fake
+    def _(logits, hidden, weight, target, ignore_index):
+        return logits.new_empty((), dtype=torch.float32)
+
+    @torch.library.custom_op("ulysses_compile::token_loss_sum_backward", mutates_args=())
+    def backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                    ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start, size in _chunks(hidden.shape[0], weight.shape[0]):
+            chunk, labels = hidden.narrow(0, start, size), target.narrow(0, start, size)
+            log_probs = torch.nn.functional.linear(chunk, weight).float().log_softmax(-1)
+            # cross_entropy's backward as eager runs it: nll_loss's, then log_softmax's kernels
+            grad_log_probs = torch.ops.aten.nll_loss_backward(grad, log_probs, labels, None, _SUM, ignore_index,
+                                                              grad.new_ones(()))
+            grad_scores = log_softmax_backward(grad_log_probs, log_probs, -1, torch.float32)
+            grad_scores = grad_scores.to(hidden.dtype)
+            grad_hidden.narrow(0, start, size).copy_(grad_scores @ weight)
+            grad_weight += (grad_scores.t() @ chunk).float()
+        return grad_hidden, grad_weight.to(weight.dtype)
+
+    @backward_op.register_fake
+    def _(grad, hidden, weight, target, ignore_index):
+        return torch.empty_like(hidden), torch.empty_like(weight)
+
+    def save(ctx, inputs, output):
+        _, hidden, weight, target, ignore_index = inputs
+        ctx.save_for_backward(hidden, weight, target)
+        ctx.ignore_index = ignore_index
+
+    def backward(ctx, grad):
+        hidden, weight, target = ctx.saved_tensors
+        grad_hidden, grad_weight = backward_op(grad, hidden, weight, target, ctx.ignore_index)
+        return None, grad_hidden, grad_weight, None, None
+
+    forward.register_autograd(backward, setup_context=save)
+    return torch.ops.ulysses_compile

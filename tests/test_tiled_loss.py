@@ -1,0 +1,81 @@
+"""The token loss over the LM head runs in chunks of rows (``passes/tile_token_loss.py``,
+``runtime.token_loss_sum``): the loss and every gradient equal eager's, in one chunk bit for bit, in
+many within fp32's rounding; the pass replaces the model's ``cross_entropy`` at P = 2 and 4."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphs import reporting_backend
+from models import tiny_llama, token_batch
+from multirank import assert_close, compare_model, run_ranks
+
+import ulysses_compile.runtime as runtime
+
+
+def _rows(seed: int = 0, rows: int = 37, width: int = 16, vocab: int = 50):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=generator, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,), generator=generator)
+    target[::3] = -100
+    return hidden, weight, target
+
+
+def _loss_and_grads(tiled: bool, hidden, weight, target):
+    hidden.grad = weight.grad = None
+    logits = F.linear(hidden, weight)
+    if tiled:
+        loss = runtime.token_loss_sum(logits, hidden, weight, target, -100)
+    else:
+        loss = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+    (loss * 0.25).backward()
+    assert logits.grad is None
+    return loss.detach(), hidden.grad.clone(), weight.grad.clone()
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 1, 5, 36])
+def test_chunks_equal_eager_cross_entropy(monkeypatch, rows_per_chunk):
+    """None: one chunk, eager's kernels on eager's rows (bit for bit); else chunks of that many rows,
+    the last one partial."""
+    hidden, weight, target = _rows()
+    want = _loss_and_grads(False, hidden, weight, target)
+    if rows_per_chunk is not None:
+        monkeypatch.setattr(runtime, "_CHUNK_ELEMENTS", rows_per_chunk * weight.shape[0])
+    got = _loss_and_grads(True, hidden, weight, target)
+    for name, got_value, want_value in zip(("loss", "grad hidden", "grad weight"), got, want):
+        if rows_per_chunk is None:
+            assert torch.equal(got_value, want_value), name
+        assert_close(name, got_value, want_value)
+
+
+def tiled_in_the_model(rank, world_size, rows_per_chunk):
+    model = tiny_llama(layers=2)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=64)
+    reports = []
+    chunk_elements, runtime._CHUNK_ELEMENTS = runtime._CHUNK_ELEMENTS, rows_per_chunk * model.config.vocab_size
+    try:
+        got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+        got.loss.backward()
+    finally:
+        runtime._CHUNK_ELEMENTS = chunk_elements
+    (report,) = reports
+    assert len(report.attention_sites) == 2 and not report.replicated
+    assert [note for note in report.notes if "runtime.token_loss_sum" in note], report.notes
+    assert "cross_entropy" not in report.graphs["tile_token_loss"]
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_model_loss_is_tiled_and_equals_eager(world_size):
+    """A transformers Llama called with labels: its ``ForCausalLMLoss`` (upcast, shifted labels with
+    ignored positions, mean) over each rank's 64 / P tokens in chunks of 5 rows."""
+    run_ranks(tiled_in_the_model, world_size, 5)
