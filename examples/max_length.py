@@ -3,6 +3,7 @@ backend and DeepSpeed-Ulysses, on P CPU (gloo) ranks.
 
     python examples/max_length.py                                  # P = 2, cap 1 GiB per rank
     python examples/max_length.py --world-sizes 2 4 --cap-mib 768 --granule 128 --out max_length
+    python examples/max_length.py --world-sizes 4 --configs ulysses --probe 6912 9216   # peaks at these S
 
 The model has real proportions for its size: a transformers Llama with a 32K vocabulary (hidden 256,
 4 layers, 8 heads), one sequence, gradient checkpointing on every decoder layer (non-reentrant), a full
@@ -175,7 +176,16 @@ def main() -> None:
     parser.add_argument("--granule", type=int, default=256, help="lengths searched are multiples of this x P")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
     parser.add_argument("--out", default="max_length", help="writes OUT.json and OUT.png")
+    parser.add_argument("--probe", type=int, nargs="+", help="measure the peak at these lengths only (no search)")
     args = parser.parse_args()
+    if args.probe:
+        for world_size in args.world_sizes:
+            for config in args.configs:
+                for length in args.probe:
+                    peak = measured_peak(config, world_size, length)
+                    print(f"{config} P={world_size} S={length}: {peak / 2**20:.0f} MiB "
+                          f"({'within' if peak <= args.cap_mib * 2**20 else 'over'} {args.cap_mib} MiB)")
+        return
     cap = args.cap_mib * 2**20
     rows = []
 

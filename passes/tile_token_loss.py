@@ -59,8 +59,8 @@ def tile_token_loss(gm: fx.GraphModule, ctx) -> list[str]:
         place(loss, NodeSharding(sharding_of(node).output, sharding_of(node).global_value))
         node.replace_all_uses_with(loss)
         _erase_unused(node)
-        notes.append(f"{node.name}: the cross-entropy over {linear.name}'s [{vocab}]-wide rows runs in chunks of rows "
-                     f"(runtime.token_loss_sum): its log-probabilities and their gradient are never whole")
+        notes.append(f"{node.name}: the cross-entropy over the [{vocab}]-wide rows of {linear.name} runs in chunks of "
+                     f"rows (runtime.token_loss_sum): its log-probabilities and their gradient are never whole")
     return notes
 
 

@@ -120,7 +120,7 @@ def test_verify_short_needs_a_symbolic_length_and_reports_random_draws(fake_grou
     model, args, kwargs = nanogpt.make(seq_len=37, n_layer=1, dropout=0.1)
     torch.compile(model, backend=capture, dynamic=True)(*args, **kwargs)
     report = graphs[-1].meta["ulysses_report"]
-    assert report.attention_sites and report.notes == [
+    assert report.attention_sites and [note for note in report.notes if note.startswith("verify")] == [
         "verify='short' skipped: the graph draws random numbers (dropout p=0.1 at transformer.drop), which the "
         "compiled program and eager draw differently; verify with dropout off (model.eval())"], report.notes
 
