@@ -14,12 +14,13 @@ After::
     flat = logits.reshape(-1, V)
     loss = ulysses_compile_runtime_token_loss_sum(flat, rows, weight, target, -100)
 
-``token_loss_sum`` (``ulysses_compile/runtime.py``) reads the logits chunk by chunk, upcast to fp32, and
-keeps one logsumexp per row; its backward recomputes each chunk's logits from ``rows`` and ``weight``
-(one more matmul, as ALST's ``TiledFusedLogitsLoss`` does by hand) and returns the gradients of the
-hidden states and the weight, none for the logits. The logits are still computed once, for a caller
-that reads them; only the loss's own ``[S/P, V]`` buffers go. The loss is the same sum in another order
-of additions. Left as it is: losses with class weights, label smoothing, probability targets or
+``token_loss_sum`` (``ulysses_compile/runtime.py``) runs eager's ``cross_entropy`` on the logits chunk
+by chunk, upcast to fp32, and saves no logits; its backward recomputes each chunk's logits from ``rows``
+and ``weight`` (one more matmul, as ALST's ``TiledFusedLogitsLoss`` does by hand), runs eager's backward
+kernels on them and returns the gradients of the hidden states and the weight, none for the logits.
+The logits are still computed once, for a caller that reads them; only the loss's own ``[S/P, V]``
+buffers go. In one chunk the loss and gradients are eager's bit for bit; in several, the chunks' sums
+are added in another order. Left as it is: losses with class weights, label smoothing, probability targets or
 ``reduction="none"``, logits that are not a bias-free linear's output reshaped to rows, and logits not
 in fp32 when they reach the loss.
 

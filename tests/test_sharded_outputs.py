@@ -239,6 +239,7 @@ def regionally_compiled(rank, world_size):
         layer.compile(backend=reporting_backend(reports))
     got = model(input_ids=ids, labels=labels, use_cache=False)
     assert len(reports) >= 1 and all(len(report.attention_sites) == 1 for report in reports)
+    assert all([c.kind for c in report.collectives].count("seq_to_heads") == 3 for report in reports)
     assert all(report.sharded_outputs and not report.gathered_outputs for report in reports)
     assert all(not report.replicated for report in reports)
     got.loss.backward()

@@ -65,7 +65,9 @@ def tiled_in_the_model(rank, world_size, rows_per_chunk):
     finally:
         runtime._CHUNK_ELEMENTS = chunk_elements
     (report,) = reports
+    kinds = [collective.kind for collective in report.collectives]
     assert len(report.attention_sites) == 2 and not report.replicated
+    assert kinds.count("seq_to_heads") == 6 and kinds.count("heads_to_seq") == 2, kinds
     assert [note for note in report.notes if "runtime.token_loss_sum" in note], report.notes
     assert "cross_entropy" not in report.graphs["tile_token_loss"]
     want = reference(input_ids=ids, labels=labels, use_cache=False)

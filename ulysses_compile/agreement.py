@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .boundary import GatheredOnUse
 from .collectives import gather_objects
 from .compat import _resolve_process_group, process_group_timeout
-from .boundary import GatheredOnUse
 from .errors import CollectiveError, RankMismatchError, is_collective_failure
-
 
 
 def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:

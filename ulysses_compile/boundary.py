@@ -115,6 +115,11 @@ class GatheredOnUse(torch.Tensor):
         super().__init__()
 
     @property
+    def _length(self):
+        """The sequence's length S (its dim is ``[outer, S, inner]``)."""
+        return self.shape[self._layout.dim] // (self._layout.outer * self._layout.inner)
+
+    @property
     def gathered(self) -> bool:
         """Whether an op has read it (so this rank holds the whole)."""
         return bool(self._kept)
@@ -124,14 +129,11 @@ class GatheredOnUse(torch.Tensor):
         into a graph, the gather is the graph's, made once per traced tensor."""
         if self._kept:
             return self._kept[0]
-        layout = self._layout
-        length = self.shape[layout.dim] // (layout.outer * layout.inner)
         if is_fake(self._block):  # traced into a graph, which every rank runs alike
             if getattr(self, "_traced", None) is None:
-                self._traced = gather_blocks(self._block, layout.dim, layout.outer, layout.inner, length,
-                                             layout.world_size, layout.group_name)
+                self._traced = _gather(self._block, self._layout, self._length, None)
             return self._traced
-        self._kept.append(_gather(self._block, layout, length, self._read))
+        self._kept.append(_gather(self._block, self._layout, self._length, self._read))
         return self._kept[0]
 
     def __repr__(self, *, tensor_contents=None):
@@ -174,8 +176,7 @@ class GatheredOnUse(torch.Tensor):
         kwargs = kwargs or {}
         source = args[0] if args else None
         if func in _KEEPS_BLOCK and isinstance(source, cls) and not source._kept:
-            return cls(func(source._block), None, source._layout, source.shape[source._layout.dim] // (
-                source._layout.outer * source._layout.inner), source._read, source._kept)
+            return cls(func(source._block), None, source._layout, source._length, source._read, source._kept)
         _refuse_reshaping_writes(func, args, kwargs)
         result = func(*tree_map(_whole_of, args), **tree_map(_whole_of, kwargs))
         if isinstance(source, cls) and _writes_first_argument(func):

@@ -90,8 +90,8 @@ def _all_equal(sizes) -> bool:
     return not any(is_symbolic(size) for size in sizes) and len(set(sizes)) == 1
 
 
-def _gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
-    """Every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
+def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
+    """``gather_seq``'s forward alone (no autograd): every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
     the largest, as all-gather needs equal sizes."""
     sizes = block_sizes(length, world_size)
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
@@ -117,14 +117,14 @@ class _ScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_gather_blocks(grad, *ctx.args), None, None, None, None, None, None)
+        return (gather_blocks(grad, *ctx.args), None, None, None, None, None, None)
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, outer, inner, length, rank, world_size, group_name):
         ctx.args = (dim, outer, inner, rank, world_size)
-        return _gather_blocks(x, dim, outer, inner, length, world_size, group_name)
+        return gather_blocks(x, dim, outer, inner, length, world_size, group_name)
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,11 +173,6 @@ def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int,
 def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank: int, world_size: int, group_name: str):
     """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
     return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
-
-
-def gather_blocks(x, dim: int, outer: int, inner: int, length: int, world_size: int, group_name: str):
-    """``gather_seq``'s forward alone, for a value no gradient flows through (below autograd)."""
-    return _gather_blocks(x, dim, outer, inner, length, world_size, group_name)
 
 
 def gather_rows(row: list[int], device, world_size: int, group_name: str) -> list[list[int]]:
@@ -253,7 +248,7 @@ def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tupl
     head of this rank, in order): for fewer KV heads than ranks, or KV heads that do not split like the
     query heads. Ranks sharing a KV head each hold part of its gradient, so the backward is the
     all-gather's: a reduce-scatter that sums them."""
-    whole = _gather_blocks(x, seq_dim, 1, 1, seq_len, world_size, group_name)
+    whole = gather_blocks(x, seq_dim, 1, 1, seq_len, world_size, group_name)
     first = kv_index[0]
     if list(kv_index) == list(range(first, first + len(kv_index))):
         return whole.narrow(head_dim, first, len(kv_index))
