@@ -1,5 +1,5 @@
 """The longest sequence whose training step fits a per-rank memory cap, for one process, the ulysses
-backend and DeepSpeed-Ulysses, on P CPU (gloo) ranks.
+backend, DeepSpeed-Ulysses and ALST, on P CPU (gloo) ranks.
 
     python examples/max_length.py                                  # P = 2, cap 1 GiB per rank
     python examples/max_length.py --world-sizes 2 4 --cap-mib 768 --granule 128 --out max_length
@@ -17,7 +17,12 @@ training step (forward, backward, AdamW step). Configurations, each in fresh pro
                    gradients and AdamW state in 1/P as well);
 - deepspeed:       P ranks, DeepSpeed's ``DistributedAttention`` in eager, fed each rank's block, its
                    position ids and pre-shifted labels, a hand-written global loss and one flat gradient
-                   all-reduce (examples/benchmark.py's program; needs ``pip install deepspeed``).
+                   all-reduce (examples/benchmark.py's program; needs ``pip install deepspeed``);
+- alst:            P ranks, ALST from the installed DeepSpeed with all its hand-added memory pieces
+                   (``UlyssesSPAttentionHF``, ``UlyssesSPDataLoaderAdapter``, ``TiledMLP``,
+                   ``TiledFusedLogitsLoss``, checkpointing) set up as its tutorial does, but without the
+                   DeepSpeed engine, whose gradient averaging is written out (its loss and gradients
+                   equal eager's).
 
 Memory is what a rank holds of the model's parameters and AdamW state (counted from the tensors: a
 ZeRO shard is its rows) plus the peak resident memory growth of a measured step after a warm-up step
@@ -26,12 +31,8 @@ ZeRO shard is its rows) plus the peak resident memory growth of a measured step 
 cap, so the search measures: the peak is close to linear in S once attention is memory-efficient, so two
 lengths give a line, its crossing with the cap is measured, and the search steps down by bisection
 until a length fits (lengths are multiples of ``--granule`` x P). Printed: the longest length per
-configuration and P, with its measured peak, and its ratio to one process's and DeepSpeed's; written:
+configuration and P, with its measured peak, and its ratios to one process's, DeepSpeed's and ALST's; written:
 OUT.json and OUT.png (peak memory against S, the cap drawn).
-
-ALST (DeepSpeed's ``UlyssesSPAttentionHF``, ``TiledFusedLogitsLoss``, ``TiledMLP``) is not a row yet:
-its Hugging Face integration is set up through DeepSpeed's engine and data-loader adapter, which this
-script does not drive on CPU; see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from benchmark import free_port, log, threads_per_rank
 from transformers import LlamaConfig, LlamaForCausalLM
 from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV, _bytes, peak_bytes
 
 VOCAB = 32768
-CONFIGURATIONS = ("one", "ulysses", "ulysses_memory", "deepspeed")
+CONFIGURATIONS = ("one", "ulysses", "ulysses_memory", "deepspeed", "alst")
+LOSS_CHUNK_ELEMENTS = 2**22  # logits per chunk of ALST's tiled loss, as the ulysses backend's tiled loss
 
 
 def build_model(seq_len: int, attention: str = "sdpa") -> LlamaForCausalLM:
@@ -102,7 +105,77 @@ def deepspeed(seq_len: int, world_size: int, rank: int):
     return deepspeed_ulysses_step(model, token_ids(seq_len), world_size, rank, optimizer), model, optimizer
 
 
-PROGRAMS = {"one": one_process, "ulysses": ulysses, "ulysses_memory": ulysses_memory, "deepspeed": deepspeed}
+def alst(seq_len: int, world_size: int, rank: int):
+    """ALST as DeepSpeed's tutorial sets it up, with every memory piece it offers, driven without the
+    DeepSpeed engine: ``UlyssesSPAttentionHF`` registered over SDPA, ``UlyssesSPDataLoaderAdapter``
+    handing each rank its block with position ids and ``shift_labels``, ``TiledMLP`` patched into every
+    MLP, the base model's hidden states fed to ``TiledFusedLogitsLoss`` over the LM head, the global mean
+    loss written by hand, and the gradients averaged in one flat buffer (the engine's job)."""
+    import math
+
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        TiledFusedLogitsLoss,
+        TiledMLP,
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+    from torch.distributed.nn.functional import all_reduce
+    from torch.utils.data import DataLoader
+    from transformers.models.llama import modeling_llama
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def mlp_forward(mlp, x):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def tiled_mlp_forward(mlp, x):
+        shards = math.ceil(x.shape[-2] / x.shape[-1])
+        return TiledMLP.apply(mlp_forward, mlp, x, shards, [mlp.down_proj.weight, mlp.gate_proj.weight,
+                                                             mlp.up_proj.weight])
+
+    modeling_llama.LlamaMLP.forward = tiled_mlp_forward
+    model = build_model(seq_len)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, micro_batch_size=1,
+                                                          seq_length=seq_len, seq_length_is_variable=False)
+    group = mpu.get_sequence_parallel_group()
+    ids = token_ids(seq_len)
+    sample = {"input_ids": ids[0], "position_ids": torch.arange(seq_len), "labels": ids[0]}
+    batch = next(iter(UlyssesSPDataLoaderAdapter(DataLoader([sample], batch_size=1), sp_rank=rank, sp_group=group,
+                                                 sp_world_size=world_size, device="cpu")))
+    shift_labels = batch["shift_labels"]
+    total_tokens = (shift_labels != -100).sum()
+    dist.all_reduce(total_tokens, group=group)
+    shards = max(1, math.ceil(shift_labels.numel() * VOCAB / LOSS_CHUNK_ELEMENTS))
+
+    def loss_sum(lm_head, hidden, labels):
+        return F.cross_entropy(lm_head(hidden).float().flatten(0, -2), labels.flatten(), ignore_index=-100,
+                               reduction="sum")
+
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                             use_cache=False).last_hidden_state
+        local = TiledFusedLogitsLoss.apply(loss_sum, model.lm_head, hidden, shift_labels, None, shards,
+                                           [model.lm_head.weight], "sum")
+        loss = all_reduce(local, group=group) / total_tokens
+        loss.backward()
+        grads = torch._utils._flatten_dense_tensors([p.grad for p in parameters])
+        dist.all_reduce(grads, group=group)
+        grads /= world_size  # the engine averages over its sequence-data-parallel group
+        for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
+            p.grad.copy_(synced)
+        optimizer.step()
+        return loss.detach()
+
+    return step, model, optimizer
+
+
+PROGRAMS = {"one": one_process, "ulysses": ulysses, "ulysses_memory": ulysses_memory, "deepspeed": deepspeed,
+            "alst": alst}
 
 
 def _rank(rank: int, world_size: int, port: int, config: str, seq_len: int, results) -> None:
@@ -211,10 +284,9 @@ def report(rows: list[dict], cap_mib: int) -> None:
           f"hidden 256, 4 layers, checkpointing, AdamW):")
     by = {(row["config"], row["P"]): row for row in rows}
     for (config, world_size), row in by.items():
-        one = by.get(("one", world_size), {}).get("longest") or 0
-        peer = by.get(("deepspeed", world_size), {}).get("longest") or 0
-        ratios = "".join(f"  {row['longest'] / base:.2f}x {name}" for name, base in (("one", one), ("deepspeed", peer))
-                         if base and config not in ("one",) and name != config)
+        bases = {name: by.get((name, world_size), {}).get("longest") or 0 for name in ("one", "deepspeed", "alst")}
+        ratios = "".join(f"  {row['longest'] / base:.2f}x {name}" for name, base in bases.items()
+                         if base and config != "one" and name != config)
         print(f"  P={world_size} {config:<15} S = {row['longest']:>6}  peak {row['peak_bytes'] / 2**20:7.0f} MiB{ratios}")
 
 

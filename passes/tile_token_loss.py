@@ -18,9 +18,16 @@ After::
 by chunk, upcast to fp32, and saves no logits; its backward recomputes each chunk's logits from ``rows``
 and ``weight`` (one more matmul, as ALST's ``TiledFusedLogitsLoss`` does by hand), runs eager's backward
 kernels on them and returns the gradients of the hidden states and the weight, none for the logits.
-The logits are still computed once, for a caller that reads them; only the loss's own ``[S/P, V]``
-buffers go. In one chunk the loss and gradients are eager's bit for bit; in several, the chunks' sums
-are added in another order. Left as it is: losses with class weights, label smoothing, probability targets or
+In one chunk the loss and gradients are eager's bit for bit; in several, the chunks' sums are added in
+another order.
+
+When the logits are otherwise only returned, sequence-sharded and read lazily (a model called with
+labels), the graph does not compute them either: the loss computes each chunk's logits itself, the
+output returns ``hidden`` in their place and the weight is appended, and the caller gets them computed
+when read (``boundary.LinearRows``)::
+
+    token_loss_sum = ulysses_compile_runtime_token_loss_sum(None, rows, weight, target, -100)
+    return (loss, hidden, weight)           # output 1: linear(hidden, weight) when read Left as it is: losses with class weights, label smoothing, probability targets or
 ``reduction="none"``, logits that are not a bias-free linear's output reshaped to rows, and logits not
 in fp32 when they reach the loss.
 
@@ -28,6 +35,8 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_tile_token_loss``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -43,14 +52,21 @@ _LINEARS = (torch._C._nn.linear, F.linear)
 _ROW_VIEWS = frozenset({"view", "reshape", "flatten", "contiguous"})
 
 
-def tile_token_loss(gm: fx.GraphModule, ctx) -> list[str]:
-    """Returns a note for each loss it tiles."""
-    notes = []
+@dataclass
+class TiledLosses:
+    notes: list[str] = field(default_factory=list)  # one for each loss tiled, and each output computed when read
+    computed: dict[int, int] = field(default_factory=dict)  # output position -> position of its weight
+
+
+def tile_token_loss(gm: fx.GraphModule, ctx, sharded: dict) -> TiledLosses:
+    """``sharded``: the outputs that leave the graph sequence-sharded (position -> blocks)."""
+    found = TiledLosses()
+    (output,) = gm.graph.find_nodes(op="output")
     for node in list(gm.graph.find_nodes(op="call_function", target=F.cross_entropy)):
-        found = _tileable(node)
-        if found is None:
+        tileable = _tileable(node)
+        if tileable is None:
             continue
-        linear, logits_2d, target, ignore_index = found
+        linear, logits_2d, target, ignore_index = tileable
         hidden, weight = linear.args[0], linear.args[1]
         width = sharding_of(weight).global_value.shape[1]
         vocab = sharding_of(weight).global_value.shape[0]
@@ -60,9 +76,36 @@ def tile_token_loss(gm: fx.GraphModule, ctx) -> list[str]:
         place(loss, NodeSharding(sharding_of(node).output, sharding_of(node).global_value))
         node.replace_all_uses_with(loss)
         _erase_unused(node)
-        notes.append(f"{node.name}: the cross-entropy over the [{vocab}]-wide rows of {linear.name} runs in chunks of "
-                     f"rows (runtime.token_loss_sum): its log-probabilities and their gradient are never whole")
-    return notes
+        found.notes.append(f"{node.name}: the cross-entropy over the [{vocab}]-wide rows of {linear.name} runs in "
+                           f"chunks of rows (runtime.token_loss_sum): its log-probabilities and their gradient "
+                           f"are never whole")
+        position = _returned_only(linear, flat, output, sharded, ctx)
+        if position is None:
+            continue
+        loss.update_arg(0, None)
+        gm.graph.erase_node(flat)
+        values = list(output.args[0])
+        values[position] = hidden
+        found.computed[position] = len(values)
+        output.args = (type(output.args[0])([*values, weight]),)
+        gm.graph.erase_node(linear)
+        found.notes.append(f"{linear.name} (output {position}, the logits) is computed from {hidden.name} when "
+                           f"read: the graph neither computes nor keeps the [S/P, {vocab}] block")
+    return found
+
+
+def _returned_only(linear: fx.Node, flat: fx.Node, output: fx.Node, sharded: dict, ctx) -> int | None:
+    """The output position of ``linear`` when the loss and that output are its only uses, the output leaves
+    the graph sharded and read lazily, and ``linear`` keeps its input's dtype and placement; else None."""
+    values = output.args[0]
+    if ctx.options.outputs != "lazy" or set(linear.users) != {flat, output} or not isinstance(values, (tuple, list)):
+        return None
+    positions = [position for position, value in enumerate(values) if value is linear]
+    hidden, weight = sharding_of(linear.args[0]), sharding_of(linear.args[1])
+    if len(positions) != 1 or positions[0] not in sharded or hidden.output != sharding_of(linear).output \
+            or not hidden.global_value.dtype == weight.global_value.dtype == sharding_of(linear).global_value.dtype:
+        return None
+    return positions[0]
 
 
 def _tileable(node: fx.Node):

@@ -15,6 +15,7 @@ from models import tiny_llama, token_batch
 from multirank import assert_close, compare_model, run_ranks
 
 import ulysses_compile.runtime as runtime
+from ulysses_compile.errors import UnsupportedError
 
 
 def _rows(seed: int = 0, rows: int = 37, width: int = 16, vocab: int = 50):
@@ -26,11 +27,11 @@ def _rows(seed: int = 0, rows: int = 37, width: int = 16, vocab: int = 50):
     return hidden, weight, target
 
 
-def _loss_and_grads(tiled: bool, hidden, weight, target):
+def _loss_and_grads(tiled: bool, hidden, weight, target, given_logits: bool = True):
     hidden.grad = weight.grad = None
     logits = F.linear(hidden, weight)
     if tiled:
-        loss = runtime.token_loss_sum(logits, hidden, weight, target, -100)
+        loss = runtime.token_loss_sum(logits if given_logits else None, hidden, weight, target, -100)
     else:
         loss = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
     (loss * 0.25).backward()
@@ -38,15 +39,16 @@ def _loss_and_grads(tiled: bool, hidden, weight, target):
     return loss.detach(), hidden.grad.clone(), weight.grad.clone()
 
 
+@pytest.mark.parametrize("given_logits", [True, False])
 @pytest.mark.parametrize("rows_per_chunk", [None, 1, 5, 36])
-def test_chunks_equal_eager_cross_entropy(monkeypatch, rows_per_chunk):
+def test_chunks_equal_eager_cross_entropy(monkeypatch, rows_per_chunk, given_logits):
     """None: one chunk, eager's kernels on eager's rows (bit for bit); else chunks of that many rows,
-    the last one partial."""
+    the last one partial; the logits given, or computed chunk by chunk."""
     hidden, weight, target = _rows()
     want = _loss_and_grads(False, hidden, weight, target)
     if rows_per_chunk is not None:
         monkeypatch.setattr(runtime, "_CHUNK_ELEMENTS", rows_per_chunk * weight.shape[0])
-    got = _loss_and_grads(True, hidden, weight, target)
+    got = _loss_and_grads(True, hidden, weight, target, given_logits)
     for name, got_value, want_value in zip(("loss", "grad hidden", "grad weight"), got, want):
         if rows_per_chunk is None:
             assert torch.equal(got_value, want_value), name
@@ -81,3 +83,47 @@ def test_the_model_loss_is_tiled_and_equals_eager(world_size):
     """A transformers Llama called with labels: its ``ForCausalLMLoss`` (upcast, shifted labels with
     ignored positions, mean) over each rank's 64 / P tokens in chunks of 5 rows."""
     run_ranks(tiled_in_the_model, world_size, 5)
+
+
+def _scored(logits, labels):
+    """A second loss from the logits outside the model (per-token log-probs, weighted)."""
+    scores = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (scores * torch.linspace(0.5, 1.5, labels.shape[1])).sum()
+
+
+def logits_computed_when_read(rank, world_size):
+    model = tiny_llama(layers=2)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=64)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports))
+    got = compiled(input_ids=ids, labels=labels, use_cache=False)
+    (report,) = reports
+    kinds = [collective.kind for collective in report.collectives]
+    assert len(report.attention_sites) == 2 and kinds.count("seq_to_heads") == 6, kinds
+    assert report.computed_outputs == {1: 2}, str(report)
+    assert [note for note in report.notes if "is computed from" in note and "when read" in note], report.notes
+    linears = [report.graphs[name].count("torch._C._nn.linear(") for name in ("redistribute", "tile_token_loss")]
+    assert linears[0] - linears[1] == 1, linears  # the LM head's
+    total = got.loss + _scored(got.logits, labels)
+    total.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    (want.loss + _scored(want.logits, labels)).backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits),
+                                           "loss + scored logits": (total, want.loss + _scored(want.logits, labels))})
+    later = compiled(input_ids=ids, labels=labels, use_cache=False)
+    later.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(UnsupportedError, match=r"written in place since the model ran \(optimizer.step\(\)\); read the "
+                                               r"logits before the optimizer step"):
+        later.logits.sum()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_logits_a_tiled_loss_leaves_out_are_computed_when_read_and_equal_eager(world_size):
+    """Called with labels, the model's graph neither computes nor keeps the ``[S/P, V]`` logits: they
+    are computed from the hidden states when read, equal eager's, and a second loss from them sends
+    eager's gradients through the LM head; read after an optimizer step they would be the new
+    weight's, so that read is refused with what to do."""
+    run_ranks(logits_computed_when_read, world_size)

@@ -54,7 +54,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
-    compiled = leave_sharded(compiled, report.sharded_outputs, opts, group, graph_name)
+    compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
 
 

@@ -94,6 +94,33 @@ class _Read:
 _LAZY_CALLS = itertools.count()
 
 
+@dataclass(frozen=True)
+class LinearRows:
+    """A block not computed yet: ``linear(rows, weight)``, the LM head's logits a tiled loss left out of
+    the graph (``passes/tile_token_loss.py``), computed when read from the hidden states the loss keeps
+    for its backward anyway. ``version`` is the weight's in-place write count when the graph ran."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    version: int
+    name: str
+
+    def block(self) -> torch.Tensor:
+        if self.weight._version != self.version:
+            raise UnsupportedError(
+                f"the {self.name} (the logits of a model whose loss runs tiled) are computed when first read, "
+                f"from the LM head's weight, and that weight was written in place since the model ran "
+                f"(optimizer.step()); read the logits before the optimizer step (logits = out.logits.clone()), "
+                f"or compile with options={{'outputs': 'gather'}}"
+            )
+        with torch.no_grad():
+            return torch.nn.functional.linear(self.rows, self.weight)
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.rows.shape[:-1], self.weight.shape[0])
+
+
 class GatheredOnUse(torch.Tensor):
     """A sequence-sharded graph output with eager's value and shape, holding this rank's block until an
     op reads it; then the whole, gathered from every rank once and kept (shared with its ``detach``-es)."""
@@ -102,17 +129,22 @@ class GatheredOnUse(torch.Tensor):
 
     @staticmethod
     def __new__(cls, block, whole, layout: _Layout, length, read: _Read | None, kept: list):
-        source = whole if block is None else block
-        shape = list(source.shape)
+        like = whole if block is None else block.rows if isinstance(block, LinearRows) else block
+        shape = list(whole.shape if block is None else block.shape)
         shape[layout.dim] = layout.outer * length * layout.inner
-        tensor = make_wrapper_subclass(cls, shape, source)
-        tensor._block, tensor._layout, tensor._read, tensor._kept = block, layout, read, kept
+        tensor = make_wrapper_subclass(cls, shape, like)
+        tensor._source, tensor._layout, tensor._read, tensor._kept = block, layout, read, kept
         if whole is not None and not kept:
             kept.append(whole)
         return tensor
 
     def __init__(self, block, whole, layout, length, read, kept):
         super().__init__()
+
+    @property
+    def _block(self) -> torch.Tensor:
+        """This rank's block (computed now if it is a ``LinearRows``)."""
+        return self._source.block() if isinstance(self._source, LinearRows) else self._source
 
     @property
     def _length(self):
@@ -129,7 +161,7 @@ class GatheredOnUse(torch.Tensor):
         into a graph, the gather is the graph's, made once per traced tensor."""
         if self._kept:
             return self._kept[0]
-        if is_fake(self._block):  # traced into a graph, which every rank runs alike
+        if is_fake(self._source):  # traced into a graph, which every rank runs alike
             if getattr(self, "_traced", None) is None:
                 self._traced = _gather(self._block, self._layout, self._length, None)
             return self._traced
@@ -176,7 +208,8 @@ class GatheredOnUse(torch.Tensor):
         kwargs = kwargs or {}
         source = args[0] if args else None
         if func in _KEEPS_BLOCK and isinstance(source, cls) and not source._kept:
-            return cls(func(source._block), None, source._layout, source._length, source._read, source._kept)
+            block = source._source if isinstance(source._source, LinearRows) else func(source._source)
+            return cls(block, None, source._layout, source._length, source._read, source._kept)
         _refuse_reshaping_writes(func, args, kwargs)
         result = func(*tree_map(_whole_of, args), **tree_map(_whole_of, kwargs))
         if isinstance(source, cls) and _writes_first_argument(func):
@@ -254,9 +287,41 @@ class _LeaveSharded(torch.autograd.Function):
         return block.contiguous(), None, None, None
 
 
-def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, graph_name: str):
+class _LeaveShardedLinear(torch.autograd.Function):
+    """The rank's hidden rows and the LM head's weight -> ``GatheredOnUse`` of their ``linear``, computed
+    when read; the gradient of the whole goes back as the block's share, through ``linear``'s backward."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, layout: _Layout, length, read: _Read):
+        ctx.layout = layout
+        ctx.save_for_backward(rows, weight)
+        block = LinearRows(rows.detach(), weight.detach(), weight._version, read.name)
+        return GatheredOnUse(block, None, layout, length, read, [])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        layout = ctx.layout
+        block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
+        grad_weight = block.reshape(-1, block.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1])
+        return block @ weight, grad_weight, None, None, None
+
+
+def computed_outputs(outputs, computed: dict[int, int]) -> list:
+    """A compiled graph's outputs as the captured graph returns them: the hidden rows at each position of
+    ``computed`` (position -> position of the LM head's weight, appended) replaced by their ``linear``
+    (differentiable), the appended weights dropped."""
+    outputs = list(outputs)
+    for position, weight in computed.items():
+        outputs[position] = torch.nn.functional.linear(outputs[position], outputs[weight])
+    return outputs[:len(outputs) - len(computed)]
+
+
+def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[int, int], options, group,
+                  graph_name: str):
     """``compiled`` with its sequence-sharded outputs (position -> blocks) returned to the caller as
-    ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``)."""
+    ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``); the outputs in ``computed``
+    (position -> the LM head weight's position, ``computed_outputs``) are computed only when read."""
     if not sharded:
         return compiled
     rank, world_size, group_name = group.rank(), group.size(), group.group_name
@@ -264,6 +329,8 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, 
 
     def run(*args):
         outputs = list(compiled(*args))
+        weights = {position: outputs[weight] for position, weight in computed.items()}
+        outputs = outputs[:len(outputs) - len(computed)]
         call = next(_LAZY_CALLS) if options.outputs == "lazy" else None
         for position, blocks in sharded.items():
             block = outputs[position]
@@ -273,7 +340,9 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], options, group, 
                 continue
             layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name)
             read = _Read(f"output {position} of {graph_name}", call, position)
-            outputs[position] = _LeaveSharded.apply(block, layout, blocks.whole_length(block, world_size), read)
+            length = blocks.whole_length(block, world_size)
+            outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in weights \
+                else _LeaveShardedLinear.apply(block, weights[position], layout, length, read)
         return outputs
 
     return run

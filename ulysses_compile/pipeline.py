@@ -79,7 +79,9 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
-    report.notes += _run(report, tile_token_loss, gm, ctx)
+    tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
+    report.notes += tiled.notes
+    report.computed_outputs = tiled.computed
     _run(report, average_data_parallel_grads, gm, ctx)
     _run(report, regather_parameters, gm, ctx)
     _run(report, insert_all_to_all, gm, ctx, sites)

@@ -112,7 +112,8 @@ def token_loss_sum(logits, hidden, weight, target, ignore_index: int):
     """``cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")`` for
     ``logits = linear(hidden, weight)`` (``[N, V]`` rows), in chunks of rows; its backward recomputes each
     chunk's logits and returns the gradients of ``hidden`` and ``weight``, none for ``logits``
-    (passes/tile_token_loss.py). Each chunk computes what eager computes for its rows, in eager's order."""
+    (passes/tile_token_loss.py). With ``logits`` None (nothing else needs them) the forward computes each
+    chunk's logits as well. Each chunk computes what eager computes for its rows, in eager's order."""
     return _token_loss_ops().token_loss_sum(logits, hidden, weight, target, ignore_index)
 
 
@@ -129,18 +130,19 @@ def _token_loss_ops():
     torch has none."""
 
     @torch.library.custom_op("ulysses_compile::token_loss_sum", mutates_args=())
-    def forward(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    def forward(logits: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 ignore_index: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for start, size in _chunks(logits.shape[0], logits.shape[1]):
-            total += torch.nn.functional.cross_entropy(logits.narrow(0, start, size).float(),
-                                                       target.narrow(0, start, size), ignore_index=ignore_index,
-                                                       reduction="sum")
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start, size in _chunks(hidden.shape[0], weight.shape[0]):
+            chunk = torch.nn.functional.linear(hidden.narrow(0, start, size), weight) if logits is None \
+                else logits.narrow(0, start, size)
+            total += torch.nn.functional.cross_entropy(chunk.float(), target.narrow(0, start, size),
+                                                       ignore_index=ignore_index, reduction="sum")
         return total
 
     @forward.register_fake
     def _(logits, hidden, weight, target, ignore_index):
-        return logits.new_empty((), dtype=torch.float32)
+        return hidden.new_empty((), dtype=torch.float32)
 
     @torch.library.custom_op("ulysses_compile::token_loss_sum_backward", mutates_args=())
     def backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

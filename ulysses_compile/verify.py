@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .agreement import input_names
+from .boundary import computed_outputs
 from .collectives import average_grad, gather_objects, mean_over_group, take_block
 from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr, symbolic_hint
 from .errors import OptionsError, VerificationError
@@ -56,6 +57,7 @@ def verified(compiled, original, gm: fx.GraphModule, ctx):
     rank's block of the eager one."""
     checked = False
     blocks = _output_blocks(gm)
+    computed = gm.meta["ulysses_report"].computed_outputs
 
     def run(*args):
         nonlocal checked
@@ -64,9 +66,10 @@ def verified(compiled, original, gm: fx.GraphModule, ctx):
             checked = True
             with torch.no_grad():  # on copies: the graph may update buffers in place
                 reference = original(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+                got = computed_outputs(result, computed)
             reference = [_this_ranks(want, block, ctx) for want, block in zip(reference, blocks, strict=True)]
             pairs = [(f"output {name}", got, want)
-                     for (name, got), (_, want) in zip(named_tensors(list(result)), named_tensors(reference))]
+                     for (name, got), (_, want) in zip(named_tensors(got), named_tensors(reference))]
             rows, ok = compare(pairs)
             if not ok:
                 raise VerificationError(
@@ -87,11 +90,12 @@ def _this_ranks(whole, block, ctx):
 
 
 def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int] | None]:
-    """For each output of the rewritten graph, ``(dim, outer, inner)`` of its sequence sharding if it
-    leaves the graph sharded, else None."""
+    """For each output of the captured graph, ``(dim, outer, inner)`` of its sequence sharding if the
+    rewritten graph leaves it sharded, else None."""
     (output,) = gm.graph.find_nodes(op="output")
+    values = output.args[0]
     blocks = []
-    for arg in output.args[0]:
+    for arg in values[:len(values) - len(gm.meta["ulysses_report"].computed_outputs)]:
         sharding = sharding_of(arg) if isinstance(arg, fx.Node) else None
         placement = sharding.output if sharding is not None else None
         blocks.append(None if placement is None or isinstance(placement, tuple) else seq_factors(placement))
@@ -159,7 +163,7 @@ def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
         return compiled
     placeholders = gm.graph.find_nodes(op="placeholder")
     check = _ShortCheck(
-        compiled=compiled, original=original, ctx=ctx, report=report, size=lengths[0],
+        compiled=lambda *args: computed_outputs(compiled(*args), report.computed_outputs), original=original, ctx=ctx, report=report, size=lengths[0],
         symbols=sorted(set().union(*(symbolic_expr(length).free_symbols for length in lengths)), key=str),
         inputs=[_placeholder_value(node, example) for node, example in zip(placeholders, example_inputs)],
         names=input_names(gm), blocks=_output_blocks(gm),
