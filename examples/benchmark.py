@@ -12,8 +12,9 @@ Every configuration runs in fresh processes, each with the threads of one of P r
               HF attention function that ignores the mask HF builds);
 - ulysses:    P ranks, ``torch.compile(model, backend="ulysses", options={"outputs": OUTPUTS})``, every
               rank passing the global batch. ``--outputs local`` (the default here) keeps the logits
-              sharded, as the peer's are; ``--outputs gather`` (the backend's default) also all-gathers
-              the [S, vocab] logits on every rank;
+              sharded, as the peer's are; ``--outputs lazy`` (the backend's default) computes them only
+              when read (never, here); ``--outputs gather`` also all-gathers the [S, vocab] logits
+              on every rank;
 - deepspeed:  P ranks, the same model in eager with its attention wrapped by DeepSpeed's
               ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
               sequence block, its position ids and pre-shifted labels, a hand-written global loss and
@@ -31,7 +32,8 @@ slow minute of a shared machine does not land on one configuration only. Memory 
 Printed per (P, S): the medians, ulysses / deepspeed, the parallel efficiency t_one / P / t_ulysses (at
 most cores / P where the ranks outnumber the cores), what each program's communication costs (its time
 less its compute-only time), the peak memories against one process, the all-to-all calls and bytes of
-the compiled program against the Ulysses minimum (``explain``), the compile time with the share of
+the compiled program against the Ulysses minimum and every collective of a step, forward and
+backward (each one a meeting of the ranks; ``explain``), the compile time with the share of
 our passes, and what the per-call check that ranks pass the same inputs costs. A JSON file and a PNG plot are written next to ``--out``. The three losses are printed too:
 they must agree.
 """
@@ -276,10 +278,16 @@ def communication(world_size: int, seq_len: int) -> dict:
     if world_size == 1:
         return {"all_to_all_calls": 0, "all_to_all_bytes": 0, "ulysses_minimum_bytes": 0, "formula_calls": 0}
     ids = token_ids(seq_len)
-    report = explain(build_model(seq_len), input_ids=ids, labels=ids, use_cache=False, world_size=world_size)
-    calls = sum(1 for call in report.collectives if call.kind == "all_to_all")
-    return {"all_to_all_calls": calls, "all_to_all_bytes": report.all_to_all_bytes(),
-            "ulysses_minimum_bytes": report.ulysses_minimum_bytes, "formula_calls": 8 * 4}
+    model = build_model(seq_len)
+    report = explain(model, input_ids=ids, labels=ids, use_cache=False, world_size=world_size)
+    calls = {phase: [call for call in report.collectives if call.phase == phase] for phase in ("forward", "backward")}
+    return {"all_to_all_calls": sum(1 for call in report.collectives if call.kind == "all_to_all"),
+            "all_to_all_bytes": report.all_to_all_bytes(), "ulysses_minimum_bytes": report.ulysses_minimum_bytes,
+            # q, k, v in one all-to-all and the output in another, each way, per layer
+            "formula_calls": 4 * model.config.num_hidden_layers,
+            "meetings": {phase: len(found) for phase, found in calls.items()},
+            "all_to_all_by_phase": {phase: sum(1 for call in found if call.kind == "all_to_all")
+                                    for phase, found in calls.items()}}
 
 
 def log(message: str) -> None:
@@ -293,8 +301,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time every configuration this many times, in turn, and keep each one's median")
-    parser.add_argument("--outputs", choices=("local", "gather", "dtensor"), default="local",
-                        help="the ulysses option: keep the logits sharded (as the peer does) or gather them")
+    parser.add_argument("--outputs", choices=("local", "lazy", "gather", "dtensor"), default="local",
+                        help="the ulysses option: keep the logits sharded (as the peer does), gather them when "
+                             "read (the backend's default), or gather them in the graph")
     parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
     args = parser.parse_args()
     rows = []
@@ -345,7 +354,10 @@ def _line(row: dict) -> str:
         f"{ours['peak_bytes'] / 2**20:.0f} MiB "
         f"({ours['peak_bytes'] / one['peak_bytes']:.2f} of one), deepspeed {peer['peak_bytes'] / 2**20:.0f} MiB "
         f"({peer['peak_bytes'] / one['peak_bytes']:.2f}); all-to-all {row['all_to_all_calls']} calls "
-        f"(formula {row['formula_calls']}), {row['all_to_all_bytes']:,} B (minimum {row['ulysses_minimum_bytes']:,}); "
+        f"(formula {row['formula_calls']}; forward {row['all_to_all_by_phase']['forward']}, backward "
+        f"{row['all_to_all_by_phase']['backward']}), {row['all_to_all_bytes']:,} B (minimum "
+        f"{row['ulysses_minimum_bytes']:,}); collectives (meetings of the ranks) a step: forward "
+        f"{row['meetings']['forward']}, backward {row['meetings']['backward']}; "
         f"compile {ours['compile_seconds']:.1f} s, passes {ours['pass_seconds']:.1f} s "
         f"({ours['pass_seconds'] / ours['compile_seconds']:.0%}); input check "
         f"{ours['input_check_seconds'] * 1e3:.2f} ms a call ({ours['input_check_seconds'] / ours['seconds']:.2%} "

@@ -149,8 +149,11 @@ def alst(seq_len: int, world_size: int, rank: int):
     shards = max(1, math.ceil(shift_labels.numel() * VOCAB / LOSS_CHUNK_ELEMENTS))
 
     def loss_sum(lm_head, hidden, labels):
-        return F.cross_entropy(lm_head(hidden).float().flatten(0, -2), labels.flatten(), ignore_index=-100,
-                               reduction="sum")
+        # TiledFusedLogitsLoss differentiates its chunks inside its forward, with a gradient of 1: its
+        # backward scales only the hidden states' gradient, so the weight's scale goes in here (P / T)
+        summed = F.cross_entropy(lm_head(hidden).float().flatten(0, -2), labels.flatten(), ignore_index=-100,
+                                 reduction="sum")
+        return summed * world_size / total_tokens
 
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=1e-4)
@@ -161,13 +164,14 @@ def alst(seq_len: int, world_size: int, rank: int):
                              use_cache=False).last_hidden_state
         local = TiledFusedLogitsLoss.apply(loss_sum, model.lm_head, hidden, shift_labels, None, shards,
                                            [model.lm_head.weight], "sum")
-        loss = all_reduce(local, group=group) / total_tokens
+        loss = all_reduce(local, group=group) / world_size
         loss.backward()
         grads = torch._utils._flatten_dense_tensors([p.grad for p in parameters])
         dist.all_reduce(grads, group=group)
         grads /= world_size  # the engine averages over its sequence-data-parallel group
         for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
             p.grad.copy_(synced)
+        del grads  # the engine's buckets are free by the optimizer step
         optimizer.step()
         return loss.detach()
 

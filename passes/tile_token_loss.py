@@ -27,7 +27,12 @@ output returns ``hidden`` in their place and the weight is appended, and the cal
 when read (``boundary.LinearRows``)::
 
     token_loss_sum = ulysses_compile_runtime_token_loss_sum(None, rows, weight, target, -100)
-    return (loss, hidden, weight)           # output 1: linear(hidden, weight) when read Left as it is: losses with class weights, label smoothing, probability targets or
+    return (loss, hidden, weight)           # output 1: linear(hidden, weight) when read
+
+Under ZeRO-3 the weight returned is the gathered parameter, kept while the logits may be read: a
+``[V, H]`` weight instead of a ``[S/P, V]`` logits block.
+
+Left as it is: losses with class weights, label smoothing, probability targets or
 ``reduction="none"``, logits that are not a bias-free linear's output reshaped to rows, and logits not
 in fp32 when they reach the loss.
 

@@ -127,6 +127,27 @@ class AttentionWeightsReturned(nn.Module):
         return (probs @ v).transpose(1, 2).reshape(b, s, d), probs
 
 
+class ValueAfterScores(nn.Module):
+    """Hand-written attention that projects the values only after the probabilities: v does not exist
+    where q and k turn to heads, so each goes by its own all-to-all."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.query_key = nn.Linear(dim, 2 * dim)
+        self.value = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k = self.query_key(x).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).masked_fill(causal, float("-inf"))
+        probs = F.softmax(scores, dim=-1)
+        v = self.value(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
 class NotAttention(nn.Module):
     """Softmax over a non-key dim between two products: a mixing layer, not attention."""
 
@@ -241,6 +262,7 @@ FORMS = {
     "sdpa_per_head_bias_6_heads": _seeded(lambda: (MaskedSDPA(dim=48, heads=6, kv_heads=6, per_head_bias=True),
                                                    (torch.randn(2, SEQ, 48), _padding()), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
+    "value_after_scores": _seeded(lambda: (ValueAfterScores(), (_features(),), {})),
     "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),
     "sdpa_without_head_dim": _seeded(lambda: (HeadlessSDPA(), (_features(),), {})),
     "flash_attn": _seeded(lambda: (FlashAttention(), (_features(),), {})),

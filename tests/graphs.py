@@ -60,3 +60,21 @@ def parallelized_graphs(parallelized, kwargs: dict, backward_of=lambda output: o
         getattr(recompiled, hooks).update(getattr(parallelized, hooks))
     backward_of(recompiled(**kwargs)).backward()
     return tuple(graphs)
+
+
+def sent_to_heads(gm) -> list[tuple]:
+    """(the value sent, the value received) for each tensor an all-to-all turns from sequence- to
+    head-sharded, in graph order: a ``seq_to_heads`` call's input and result, and each of a
+    ``seq_to_heads_qkv`` call's query, key and value (one all-to-all for the three) with its item of the
+    call's result."""
+    from ulysses_compile.collectives import seq_to_heads, seq_to_heads_qkv
+
+    pairs = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is seq_to_heads:
+            pairs.append((node.args[0].meta["val"], node.meta["val"]))
+        elif node.op == "call_function" and node.target is seq_to_heads_qkv:
+            sent = (node.args[0], node.kwargs["key"], node.kwargs["value"])
+            assert isinstance(node.meta["val"], tuple) and len(node.meta["val"]) == 3, node.meta["val"]
+            pairs += [(item.meta["val"], received) for item, received in zip(sent, node.meta["val"])]
+    return pairs

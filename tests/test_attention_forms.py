@@ -10,30 +10,35 @@ import torch
 
 from attention_forms import FORMS, outputs_of
 from multirank import compare_model, run_ranks
-from graphs import calls, rewritten_graphs
+from graphs import calls, rewritten_graphs, sent_to_heads
 from ulysses_compile.boundary import SequenceBlocks
-from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads
+from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads, seq_to_heads_qkv
 
 SDPA = "scaled_dot_product_attention"
-# name -> (site forms, KV heads gathered instead of sent by all-to-all at P = 4)
+# name -> (site forms, how q, k and v reach heads at P = 4): "one" all-to-all for the three
+# (seq_to_heads_qkv), one all-to-all "each" (seq_to_heads: v does not exist yet where q and k are used),
+# or q by all-to-all and the KV heads "gathered" (gather_kv_heads: they do not split like the query heads)
 EXPECTED = {
-    "nanogpt_manual": (["matmul_softmax"] * 2, False),
-    "einsum_bshd": (["einsum_softmax"], False),
-    "baddbmm_merged_heads": (["baddbmm_softmax_bmm"], False),
-    "llama_eager_gqa_gathered": (["matmul_softmax"], True),
-    "llama_6_heads": ([SDPA], False),
-    "llama_6_heads_gqa_3": ([SDPA], True),
-    "llama_mqa": ([SDPA], True),
-    "nn_mha_key_padding": ([SDPA], False),
-    "nn_transformer_cross_attention": ([SDPA] * 3, False),
-    "sdpa_gqa_bool_mask": ([SDPA], True),
-    "sdpa_per_head_bias_6_heads": ([SDPA], False),
-    "attention_weights_returned": (["matmul_softmax"], False),
-    "not_attention_softmax_over_queries": (["einsum_softmax"], False),
-    "sdpa_without_head_dim": (["einsum_softmax"], False),
-    "flash_attn": (["flash_attn"], False),
-    "flash_attn_gqa_alibi_window": (["flash_attn"], True),
+    "nanogpt_manual": (["matmul_softmax"] * 2, "one"),
+    "einsum_bshd": (["einsum_softmax"], "one"),
+    "baddbmm_merged_heads": (["baddbmm_softmax_bmm"], "one"),
+    "llama_eager_gqa_gathered": (["matmul_softmax"], "gathered"),
+    "llama_6_heads": ([SDPA], "one"),
+    "llama_6_heads_gqa_3": ([SDPA], "gathered"),
+    "llama_mqa": ([SDPA], "gathered"),
+    "nn_mha_key_padding": ([SDPA], "one"),
+    "nn_transformer_cross_attention": ([SDPA] * 3, "one"),
+    "sdpa_gqa_bool_mask": ([SDPA], "gathered"),
+    "sdpa_per_head_bias_6_heads": ([SDPA], "one"),
+    "attention_weights_returned": (["matmul_softmax"], "one"),
+    "value_after_scores": (["matmul_softmax"], "each"),
+    "not_attention_softmax_over_queries": (["einsum_softmax"], "one"),
+    "sdpa_without_head_dim": (["einsum_softmax"], "one"),
+    "flash_attn": (["flash_attn"], "one"),
+    "flash_attn_gqa_alibi_window": (["flash_attn"], "gathered"),
 }
+# per site: (seq_to_heads_qkv, seq_to_heads, gather_kv_heads) calls
+CALLS_PER_SITE = {"one": (1, 0, 0), "each": (0, 3, 0), "gathered": (0, 1, 2)}
 
 
 def test_every_form_has_an_expectation():
@@ -46,11 +51,11 @@ def test_form_is_found_at_four_ranks(fake_group, name):
     model, args, kwargs = FORMS[name]()
     graphs = rewritten_graphs(model, args, kwargs)
     sites = [site for gm in graphs for site in gm.meta["ulysses_report"].attention_sites]
-    forms, kv_gathered = EXPECTED[name]
+    forms, how = EXPECTED[name]
     assert [site.form for site in sites] == forms
     gm = graphs[0]
-    assert len(calls(gm, seq_to_heads)) == len(sites) * (1 if kv_gathered else 3)
-    assert len(calls(gm, gather_kv_heads)) == (2 * len(sites) if kv_gathered else 0)
+    counted = [len(calls(gm, fn)) for fn in (seq_to_heads_qkv, seq_to_heads, gather_kv_heads)]
+    assert counted == [len(sites) * count for count in CALLS_PER_SITE[how]], counted
     assert len(calls(gm, heads_to_seq)) == len(sites)
     fallbacks = gm.meta["ulysses_report"].fallbacks
     assert fallbacks == [] or name in ("not_attention_softmax_over_queries", "sdpa_without_head_dim"), fallbacks
@@ -87,14 +92,20 @@ def test_reused_attention_weights_are_gathered_whole(fake_group):
     assert not [n for n in calls(gm, gather_seq) if n.meta["val"].dim() == 4]
 
 
-def test_cross_attention_sends_each_sequence_by_its_own_all_to_all(fake_group):
+def test_cross_attention_sends_each_sequence_with_its_own_length(fake_group):
+    """q (16 target positions), k and v (32 source positions) in one all-to-all, each of its own length."""
     fake_group(4)
     model, args, kwargs = FORMS["nn_transformer_cross_attention"]()
     (gm,) = rewritten_graphs(model, args, kwargs)
     cross = gm.meta["ulysses_report"].attention_sites[-1]
     assert cross.module == "decoder.layers.0.multihead_attn" and (cross.seq_len, cross.kv_seq_len) == (16, 32)
-    received = [(n.kwargs["seq_len"], tuple(n.meta["val"].shape)) for n in calls(gm, seq_to_heads)]
-    assert received[-3:] == [(16, (2, 1, 16, 8)), (32, (2, 1, 32, 8)), (32, (2, 1, 32, 8))]  # q, k, v
+    fused = calls(gm, seq_to_heads_qkv)
+    assert len(fused) == 3 and calls(gm, seq_to_heads) == []  # encoder, decoder self- and cross-attention
+    assert [(n.kwargs["seq_len"], n.kwargs["kv_seq_len"]) for n in fused] == [(32, 32), (16, 16), (16, 32)]
+    sent = [(tuple(inp.shape), tuple(out.shape)) for inp, out in sent_to_heads(gm)]
+    assert sent[-3:] == [((2, 4, 4, 8), (2, 1, 16, 8)), ((2, 4, 8, 8), (2, 1, 32, 8)), ((2, 4, 8, 8), (2, 1, 32, 8))]
+    items = sorted(fused[-1].users, key=lambda item: item.args[1])  # what the cross-attention reads: q, k, v
+    assert [tuple(item.meta["val"].shape) for item in items] == [(2, 1, 16, 8), (2, 1, 32, 8), (2, 1, 32, 8)]
 
 
 def test_multi_head_attention_weights_in_use_run_replicated_with_the_reason(fake_group):

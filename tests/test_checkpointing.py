@@ -23,7 +23,7 @@ from models import token_batch, tiny_llama
 from multirank import compare_model, run_ranks
 from ulysses_compile import explain
 from ulysses_compile.backend import ulysses
-from ulysses_compile.collectives import heads_to_seq, seq_to_heads
+from ulysses_compile.collectives import heads_to_seq, seq_to_heads_qkv
 from ulysses_compile.compat import run_and_get_code
 
 LAYERS = 2
@@ -62,9 +62,9 @@ def test_checkpointed_attention_is_parallelized_and_recomputed(make):
     assert all(site.decision.endswith("in a checkpointed region (recomputed in the backward)")
                for site in report.attention_sites)
     totals = report.totals()
-    assert totals[("forward", "all_to_all")][0] == 4 * LAYERS
-    # the backward recomputes each region's four all-to-alls and sends its own four back
-    assert totals[("backward", "all_to_all")][0] == 8 * LAYERS
+    assert totals[("forward", "all_to_all")][0] == 2 * LAYERS  # q, k, v to heads in one; the output back
+    # the backward recomputes each region's two all-to-alls and sends its own two back
+    assert totals[("backward", "all_to_all")][0] == 4 * LAYERS
     unchecked = explain(make(enabled=False)[0], *args, world_size=2, **kwargs)
     assert report.saved_bytes < unchecked.saved_bytes / 2
 
@@ -124,8 +124,11 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_paramete
     return (sum_1,)""")
     tagged = {node.name: node.meta.get("ac_graph_id") for node in gm.graph.nodes}
     assert tagged["scaled_dot_product_attention"] == 1 and tagged.get("sum_1") is None
-    collectives = [node for node in gm.graph.nodes if node.target in (seq_to_heads, heads_to_seq)]
-    assert len(collectives) == 4 and all(node.meta["ac_graph_id"] == 1 for node in collectives)
+    collectives = [node for node in gm.graph.nodes if node.target in (seq_to_heads_qkv, heads_to_seq)]
+    assert [node.target for node in collectives] == [seq_to_heads_qkv, heads_to_seq]
+    assert all(node.meta["ac_graph_id"] == 1 for node in collectives)
+    items = list(collectives[0].users)  # q, k and v taken out of the one all-to-all's result
+    assert len(items) == 3 and all(item.meta["ac_graph_id"] == 1 for item in items)
 
 
 class NestedCheckpointed(nn.Module):
@@ -189,11 +192,13 @@ def checkpointed_equal_to_eager(rank, world_size, make, compiler):
     got, codes = run_and_get_code(step)
     (report,) = reports
     assert len(report.attention_sites) == LAYERS and not report.replicated
-    assert sum(c.kind in ("seq_to_heads", "heads_to_seq") for c in report.collectives) == 4 * LAYERS
+    kinds = [c.kind for c in report.collectives]
+    assert kinds.count("seq_to_heads_qkv") == LAYERS and kinds.count("heads_to_seq") == LAYERS, kinds
+    assert "seq_to_heads" not in kinds and "gather_kv_heads" not in kinds, kinds
     if compiler == "inductor":
         forward, backward = codes
-        assert forward.count("all_to_all_single.default(") == 4 * LAYERS
-        assert backward.count("all_to_all_single.default(") == 8 * LAYERS
+        assert forward.count("all_to_all_single.default(") == 2 * LAYERS
+        assert backward.count("all_to_all_single.default(") == 4 * LAYERS  # two recomputed, two sent back
     want = reference(*args, **kwargs)
     _loss(want).backward()
     compare_model(rank, model, reference, {"loss": (_loss(got), _loss(want)), "logits": (_logits(got), _logits(want))})
@@ -250,7 +255,8 @@ def checkpointed_zero_trains_like_eager(rank, world_size, stage, folder):
         assert_close(f"{where} {name} after 3 steps", trained[name], tensor)
     (report,) = pathlib.Path(folder, f"rank{rank}").glob("*/report.txt")
     text = report.read_text()
-    assert f"attention sites: {LAYERS}" in text and f"seq_to_heads x{3 * LAYERS}" in text, text
+    assert f"attention sites: {LAYERS}" in text and f"seq_to_heads_qkv x{LAYERS}" in text, text
+    assert f"heads_to_seq x{LAYERS}" in text and "seq_to_heads x" not in text, text
 
 
 @pytest.mark.multirank

@@ -46,7 +46,7 @@ def test_placements_are_written_only_through_place():
 CREATORS = {
     "passes/redistribute.py": {"scatter_seq", "gather_seq", "seq_to_heads", "reduce_partial", "sync_grad",
                                "add_previous_ranks_totals"},
-    "passes/insert_all_to_all.py": {"seq_to_heads", "heads_to_seq", "gather_kv_heads"},
+    "passes/insert_all_to_all.py": {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"},
     "passes/average_data_parallel_grads.py": {"average_grad"},
 }
 

@@ -74,7 +74,9 @@ def per_rank_streams_train_like_ddp(rank, world_size, stage, data_parallel, fold
         for name, tensor in reference.state_dict().items():
             assert_close(f"{where} {name} after step {step}", trained[name], tensor)
     (report,) = pathlib.Path(folder, f"rank{rank}").glob("*/report.txt")
-    assert "attention sites: 1" in report.read_text() and "seq_to_heads x3" in report.read_text()
+    text = report.read_text()
+    assert "attention sites: 1" in text and "seq_to_heads_qkv x1" in text and "heads_to_seq x1" in text, text
+    assert "seq_to_heads x" not in text, text
 
 
 CASES = [(2, 0, 1), (4, 3, 2), (4, 2, 1)]

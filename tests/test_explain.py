@@ -36,14 +36,14 @@ def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
         assert site.decision.startswith("parallelized: heads per rank")
         assert f"heads {heads} on {world_size} ranks: {heads // world_size} each" in site.divisibility
         assert ("uneven blocks" in site.divisibility) == (seq % world_size != 0)
-    # Forward: q, k, v of this rank's block, all heads; the output of its heads, whole sequence. The
-    # backward sends the mirror images. fp32.
+    # Forward: q, k, v of this rank's block, all heads (one all-to-all for the three); the output of its
+    # heads, whole sequence. The backward sends the mirror images. fp32.
     local_heads, local_kv = heads // world_size, kv_heads // world_size
     forward = batch * (local * (heads + 2 * kv_heads) + seq * local_heads) * head_dim * 4
     backward = batch * (seq * (local_heads + 2 * local_kv) + local * heads) * head_dim * 4
     totals = report.totals()
-    assert totals[("forward", "all_to_all")] == (4 * layers, forward * layers)
-    assert totals[("backward", "all_to_all")] == (4 * layers, backward * layers)
+    assert totals[("forward", "all_to_all")] == (2 * layers, forward * layers)
+    assert totals[("backward", "all_to_all")] == (2 * layers, backward * layers)
     assert report.ulysses_minimum_bytes == report.all_to_all_bytes() == layers * (forward + backward)
     assert ("forward", "all_gather") not in totals  # the logits leave as the rank's block, gathered when read
     assert totals[("forward", "all_reduce")][0] == 2  # the loss: its sum and its token count
@@ -54,7 +54,10 @@ def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
         site.module for site in report.attention_sites}
     assert report.fallbacks == [] and report.graph_breaks == [] and report.saved_bytes > 0
     (graph,) = report.graphs
-    assert "seq_to_heads" not in graph.captured and "seq_to_heads" in graph.graphs["insert_all_to_all"]
+    assert "seq_to_heads" not in graph.captured
+    rewritten = graph.graphs["insert_all_to_all"]
+    assert rewritten.count("seq_to_heads_qkv(") == layers and rewritten.count("seq_to_heads(") == 0
+    assert rewritten.count("heads_to_seq(") == layers and "gather_kv_heads" not in rewritten
     text = str(report)
     assert f"ulysses_compile at P = {world_size} (rank {rank})" in text
     assert "Ulysses minimum" in text and "1.00x" in text
@@ -112,7 +115,7 @@ def test_dump_dir_holds_each_pass_and_the_report(fake_group, tmp_path):
     names = sorted(path.name for path in folder.iterdir())
     assert names[0] == "00_captured.py" and "report.txt" in names and len(names) == 14 + 2  # the captured graph, 14 passes
     (after,) = folder.glob("*_insert_all_to_all.py")
-    assert "seq_to_heads" in after.read_text() and "seq_to_heads" not in (folder / "00_captured.py").read_text()
+    assert "seq_to_heads_qkv(" in after.read_text() and "seq_to_heads" not in (folder / "00_captured.py").read_text()
     assert "attention sites: 1" in (folder / "report.txt").read_text()
 
 
@@ -186,11 +189,15 @@ def test_cli_verify_catches_a_dropped_all_to_all(tmp_path):
 
 
 def test_cross_attention_minimum_counts_each_sequence(fake_group):
-    """Queries from 6 learned latents, keys and values from 30 tokens: each by its own all-to-all, and
-    the minimum counts each length (it once took the query's for all three, reporting 3.00x)."""
+    """Queries from 6 learned latents, keys and values from 30 tokens: one all-to-all sends the three, each
+    of its own length, and the minimum counts each length (it once took the query's for all three,
+    reporting 3.00x)."""
     from attention_forms import LatentQueries
 
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 30))
     report = explain(LatentQueries(), ids, torch.tensor([0, 2]), world_size=2)
+    sent = sorted((call.phase, call.purpose) for call in report.collectives if call.kind == "all_to_all")
+    assert sent == [("backward", "heads_to_seq"), ("backward", "seq_to_heads_qkv"),
+                    ("forward", "heads_to_seq"), ("forward", "seq_to_heads_qkv")], sent
     assert report.all_to_all_bytes() == report.ulysses_minimum_bytes == 2 * 2 * (3 * 4 + 2 * 15 * 4 + 6 * 2) * 8 * 4

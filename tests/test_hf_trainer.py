@@ -45,7 +45,8 @@ def _trains_as_one_process(tmp_path: Path, ranks: int, *arguments: str) -> None:
         assert_close(f"saved {name}", trained[name], tensor)
     for rank in range(ranks):
         reports = [path.read_text() for path in (tmp_path / "dump" / f"rank{rank}").glob("*/report.txt")]
-        assert reports and all("attention sites: 2" in text and "seq_to_heads x6" in text for text in reports), reports
+        assert reports and all("attention sites: 2" in text and "seq_to_heads_qkv x2" in text and "heads_to_seq x2" in text
+                               and "seq_to_heads x" not in text for text in reports), reports
 
 
 @pytest.mark.multirank

@@ -69,16 +69,17 @@ def equal_to_eager(rank, world_size, kind, compiler, options):
 
 
 def _check_inductor_collectives(codes: list[str], layers: int) -> None:
-    """Inductor's forward and backward modules: 4 all-to-alls per layer each way, the loss's two scalar
-    sums, and every parameter gradient in one bucketed all-reduce; the logits leave ungathered."""
+    """Inductor's forward and backward modules: 2 all-to-alls per layer each way (q, k and v to heads in
+    one, the output back in the other), the loss's two scalar sums, and every parameter gradient in one
+    bucketed all-reduce; the logits leave ungathered."""
     forward, backward = codes
 
     def calls(code, op):
         return len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))
 
     assert [calls(forward, op) for op in ("all_to_all_single", "all_gather_into_tensor", "all_reduce_")] == [
-        4 * layers, 0, 2]
-    assert [calls(backward, op) for op in ("all_to_all_single", "all_reduce_")] == [4 * layers, 1]
+        2 * layers, 0, 2]
+    assert [calls(backward, op) for op in ("all_to_all_single", "all_reduce_")] == [2 * layers, 1]
 
 
 CASES = [
@@ -95,6 +96,63 @@ CASES = [
 @pytest.mark.parametrize("kind,world_size,compiler", CASES, ids=[f"{k}-P{p}-{c}" for k, p, c in CASES])
 def test_equal_to_eager(kind, world_size, compiler):
     run_ranks(equal_to_eager, world_size, kind, compiler, {})
+
+
+def qkv_equal_to_eager(rank, world_size, kv_heads, layers):
+    """A Llama with 8 query heads, compiled on real ranks: the collectives the report lists, then loss,
+    logits and every parameter gradient against eager."""
+    model = tiny_llama(heads=8, kv_heads=kv_heads, layers=layers)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=64)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(**kwargs)
+    got.loss.backward()
+    (report,) = reports
+    assert len(report.attention_sites) == layers and report.fallbacks == [] and not report.replicated, str(report)
+    kinds = [c.kind for c in report.collectives]
+    counted = [kinds.count(kind) for kind in ("seq_to_heads_qkv", "seq_to_heads", "gather_kv_heads", "heads_to_seq")]
+    if kv_heads % world_size == 0:  # one all-to-all for q, k and v
+        assert counted == [layers, 0, 0, layers], kinds
+    else:  # q alone by all-to-all, each rank gathering the KV heads its query heads use
+        assert counted == [0, layers, 2 * layers, layers], kinds
+    want = reference(**kwargs)
+    want.loss.backward()
+    assert all(param.grad is not None for param in model.parameters())
+    errors = compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+    assert len([name for name in errors if name.startswith("grad ")]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("world_size,kv_heads", [(2, 4), (4, 2)], ids=["P2-kv4-one-all-to-all", "P4-kv2-kv-gathered"])
+def test_qkv_by_one_all_to_all_or_kv_gathered_equal_to_eager(world_size, kv_heads):
+    """KV heads that split like the query heads (4 of 8 at P = 2) travel with q in one all-to-all, and
+    its backward is one all-to-all as well; 2 KV heads at P = 4 do not split like them, so q goes alone
+    and k and v are gathered (their backward a reduce-scatter). The AOT graphs' collectives (explain, one
+    process), then equality with eager on real ranks."""
+    from ulysses_compile import explain
+
+    layers = 2
+    ids, labels = token_batch(seq=64)
+    report = explain(tiny_llama(heads=8, kv_heads=kv_heads, layers=layers), input_ids=ids, labels=labels,
+                     use_cache=False, world_size=world_size)
+    counted = {}
+    for call in report.collectives:
+        if call.purpose != "sync_grad" and call.purpose != "reduce_partial":
+            key = (call.phase, call.kind, call.purpose)
+            counted[key] = counted.get(key, 0) + 1
+    if kv_heads % world_size == 0:
+        assert counted == {("forward", "all_to_all", "seq_to_heads_qkv"): layers,
+                           ("forward", "all_to_all", "heads_to_seq"): layers,
+                           ("backward", "all_to_all", "seq_to_heads_qkv"): layers,
+                           ("backward", "all_to_all", "heads_to_seq"): layers}, counted
+    else:
+        assert counted == {("forward", "all_to_all", "seq_to_heads"): layers,
+                           ("forward", "all_gather", "gather_kv_heads"): 2 * layers,
+                           ("forward", "all_to_all", "heads_to_seq"): layers,
+                           ("backward", "all_to_all", "seq_to_heads"): layers,
+                           ("backward", "reduce_scatter", "gather_kv_heads"): 2 * layers,
+                           ("backward", "all_to_all", "heads_to_seq"): layers}, counted
+    run_ranks(qkv_equal_to_eager, world_size, kv_heads, layers)
 
 
 def local_outputs(rank, world_size):
@@ -143,7 +201,7 @@ def short_verify_checks_against_eager(rank, world_size):
     (a shift after each output all-to-all) is caught at the short length."""
     from faults import output_all_to_all_dropped
     from graphs import calls
-    from ulysses_compile.collectives import heads_to_seq, seq_to_heads
+    from ulysses_compile.collectives import heads_to_seq, seq_to_heads, seq_to_heads_qkv
     from ulysses_compile.backend import ulysses
     from ulysses_compile import VerificationError
 
@@ -170,7 +228,8 @@ def short_verify_checks_against_eager(rank, world_size):
     compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
     gm = graphs[-1]  # with dynamic=True Dynamo traces the frame twice (a float it makes symbolic, then not)
     report = gm.meta["ulysses_report"]
-    assert len(report.attention_sites) == 1 and len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
+    assert len(report.attention_sites) == 1 and len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
+    assert len(calls(gm, heads_to_seq)) == 1
     parameters = len(list(model.parameters()))
     assert [note for note in report.notes if note.startswith("verify")] == [
         f"verify='short': at sequence length {short} (this call 37) the compiled program's 2 outputs and "
@@ -236,8 +295,12 @@ def parallel_and_equal_to_eager(rank, world_size, name):
     sites = 6 if name == "t5" else 2  # T5: encoder self, decoder self and cross attention in two layers each
     assert len(report.attention_sites) == sites and not report.replicated, str(report)
     assert all("parallelized" in site.decision for site in report.attention_sites), str(report)
-    # q, k and v each turned to heads: by all-to-all, or, with fewer KV heads than ranks, k and v gathered
-    assert sum(c.kind in ("seq_to_heads", "gather_kv_heads") for c in report.collectives) == 3 * sites, str(report)
+    # q, k and v turned to heads: in one all-to-all, or, with fewer KV heads than ranks (gpt-oss's 2 at
+    # P = 4), q by its own and k and v gathered
+    gathered = name == "gpt_oss_sinks" and world_size == 4
+    kinds = [c.kind for c in report.collectives]
+    assert [kinds.count(kind) for kind in ("seq_to_heads_qkv", "seq_to_heads", "gather_kv_heads", "heads_to_seq")] == (
+        [0, sites, 2 * sites, sites] if gathered else [sites, 0, 0, sites]), str(report)
     # Nothing is gathered, on the way to attention or in the MoE blocks, but gpt-oss's sliding-window
     # cache (kept by the default use_cache=True) slicing the last keys.
     assert all("sliding_window" in f.source for f in report.fallbacks), str(report)

@@ -9,6 +9,7 @@ only checks (its code after equals its code before)."""
 from __future__ import annotations
 
 import difflib
+import operator
 import re
 
 import pytest
@@ -170,9 +171,10 @@ def test_propagate_sharding(fake_group):
 
     gm, _ = _report(fake_group, SDPAttention(), _features())
 
-    def placement(node):  # of the captured nodes: later passes insert the collectives
+    def placement(node):  # of the captured nodes: later passes insert the collectives (and their items)
         sharding = sharding_of(node)
-        return None if sharding is None or _is_collective(node) else describe(sharding.output)
+        inserted = _is_collective(node) or (node.target is operator.getitem and _is_collective(node.args[0]))
+        return None if sharding is None or inserted else describe(sharding.output)
 
     assert_expected_inline(_annotated(gm, placement), """\
 l_x_: R
@@ -272,10 +274,11 @@ def test_insert_all_to_all(fake_group):
     assert_expected_inline(_changes(report, "insert_all_to_all"), """\
 -    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
 -    transpose = scaled_dot_product_attention.transpose(1, 2)
-+    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-+    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-+    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-+    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
++    seq_to_heads_qkv = ulysses_compile_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    getitem_3 = seq_to_heads_qkv[0]
++    getitem_4 = seq_to_heads_qkv[1]
++    getitem_5 = seq_to_heads_qkv[2]
++    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
 +    heads_to_seq = ulysses_compile_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
@@ -311,9 +314,7 @@ def test_recompute_inserted_nodes(fake_group):
     gm, _ = _report(fake_group, Checkpointed(), _features())
     assert_expected_inline(_annotated(gm, lambda node: f"ac_graph_id={recompute_region(node)}" if (
         _is_collective(node) and recompute_region(node) is not None) else None), """\
-seq_to_heads: ac_graph_id=1
-seq_to_heads_1: ac_graph_id=1
-seq_to_heads_2: ac_graph_id=1
+seq_to_heads_qkv: ac_graph_id=1
 heads_to_seq: ac_graph_id=1""")
 
 

@@ -60,7 +60,9 @@ def lora_trains_like_eager(rank, world_size, stage, folder):
             opt.step()
             opt.zero_grad()
     (report,) = pathlib.Path(folder, f"rank{rank}").glob("*/report.txt")
-    assert f"attention sites: {LAYERS}" in report.read_text() and f"seq_to_heads x{3 * LAYERS}" in report.read_text()
+    text = report.read_text()
+    assert f"attention sites: {LAYERS}" in text and f"seq_to_heads_qkv x{LAYERS}" in text, text
+    assert f"heads_to_seq x{LAYERS}" in text and "seq_to_heads x" not in text, text
 
     trained = full_state_dict(compiled)
     save_pretrained(compiled, pathlib.Path(folder, "adapter"))

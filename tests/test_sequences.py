@@ -14,7 +14,7 @@ from multirank import compare_model, run_ranks
 from sequence_models import graph_break_gpt, sequence_first
 from graphs import calls, rewritten_graphs
 from ulysses_compile import RankMismatchError
-from ulysses_compile.collectives import average_grad, scatter_seq, seq_to_heads
+from ulysses_compile.collectives import average_grad, heads_to_seq, scatter_seq, seq_to_heads, seq_to_heads_qkv
 
 
 def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
@@ -23,7 +23,8 @@ def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
     (gm,) = rewritten_graphs(model, args, kwargs)
     scatters = {n.args[0].name: (n.kwargs["dim"], tuple(n.meta["val"].shape)) for n in calls(gm, scatter_seq)}
     assert scatters["l_ids_"] == (0, (8, 2))
-    assert len(calls(gm, seq_to_heads)) == 6 and gm.meta["ulysses_report"].fallbacks == []
+    assert len(calls(gm, seq_to_heads_qkv)) == 2 and calls(gm, seq_to_heads) == [] and len(calls(gm, heads_to_seq)) == 2
+    assert gm.meta["ulysses_report"].fallbacks == []
 
 
 def test_graph_breaks_gather_what_crosses_them_and_say_so(fake_group):
@@ -46,7 +47,8 @@ def test_data_parallel_mesh_averages_every_trainable_parameter(fake_group):
     ids, labels = token_batch(seq=32)
     (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False}, mesh=mesh)
     averaged = {n.args[0].name for n in calls(gm, average_grad)}
-    assert len(averaged) == len(list(model.parameters())) and len(calls(gm, seq_to_heads)) == 3
+    assert len(averaged) == len(list(model.parameters()))
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
 
 
 def _equal_to_eager(rank, model, args, kwargs, name):
@@ -179,13 +181,16 @@ def test_changing_lengths_share_a_symbolic_graph_per_remainder_class(fake_group)
     for gm, lengths in ((graphs[1], (48, 64, 40, 1000)), (graphs[2], (30, 38, 1002))):
         ids_input = next(n for n in gm.graph.find_nodes(op="placeholder") if "input_ids" in n.name)
         symbol = ids_input.meta["example_value"].shape[1].node.expr
-        to_heads = calls(gm, seq_to_heads)
-        assert len(to_heads) == 3 and all(n.kwargs["seq_len"].meta["val"].node.expr == symbol for n in to_heads)
-        query = to_heads[0].args[0].meta["val"]  # rank 3's [B, H, S/P, D] before the all-to-all
-        for seq in lengths:
-            assert query.shape[2].node.expr.subs(symbol, seq) == block_sizes(seq, 4)[3]
-            # after it: the whole sequence, as the sum of every rank's block
-            assert to_heads[0].meta["val"].shape[2].node.expr.subs(symbol, seq) == seq
+        (to_heads,) = calls(gm, seq_to_heads_qkv)  # q, k and v in one all-to-all
+        assert calls(gm, seq_to_heads) == []
+        assert all(to_heads.kwargs[length].meta["val"].node.expr == symbol for length in ("seq_len", "kv_seq_len"))
+        sent = (to_heads.args[0], to_heads.kwargs["key"], to_heads.kwargs["value"])
+        assert isinstance(to_heads.meta["val"], tuple) and len(to_heads.meta["val"]) == 3
+        for before, after in zip(sent, to_heads.meta["val"]):
+            for seq in lengths:  # rank 3's [B, H, S/P, D] before the all-to-all
+                assert before.meta["val"].shape[2].node.expr.subs(symbol, seq) == block_sizes(seq, 4)[3]
+                # after it: the whole sequence, as the sum of every rank's block
+                assert after.shape[2].node.expr.subs(symbol, seq) == seq
 
 
 def dynamic_lengths_equal_to_eager(rank, world_size):

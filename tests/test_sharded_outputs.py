@@ -27,10 +27,11 @@ DTENSORS = {"outputs": "dtensor"}
 
 
 def _parallelized(report, layers: int) -> None:
-    """Every attention site split, with its all-to-alls, and nothing gathered."""
+    """Every attention site split, with its all-to-alls (q, k and v in one), and nothing gathered."""
     kinds = [collective.kind for collective in report.collectives]
     assert len(report.attention_sites) == layers and not report.replicated
-    assert kinds.count("seq_to_heads") == 3 * layers and kinds.count("heads_to_seq") == layers, kinds
+    assert kinds.count("seq_to_heads_qkv") == layers and kinds.count("heads_to_seq") == layers, kinds
+    assert "seq_to_heads" not in kinds and "gather_kv_heads" not in kinds, kinds
     assert "gather_seq" not in kinds and report.gathered_outputs == [], (kinds, report.gathered_outputs)
 
 
@@ -239,7 +240,9 @@ def regionally_compiled(rank, world_size):
         layer.compile(backend=reporting_backend(reports))
     got = model(input_ids=ids, labels=labels, use_cache=False)
     assert len(reports) >= 1 and all(len(report.attention_sites) == 1 for report in reports)
-    assert all([c.kind for c in report.collectives].count("seq_to_heads") == 3 for report in reports)
+    for report in reports:
+        kinds = [c.kind for c in report.collectives]
+        assert [kinds.count(kind) for kind in ("seq_to_heads_qkv", "seq_to_heads", "heads_to_seq")] == [1, 0, 1], kinds
     assert all(report.sharded_outputs and not report.gathered_outputs for report in reports)
     assert all(not report.replicated for report in reports)
     got.loss.backward()

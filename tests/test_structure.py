@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
-from graphs import calls, rewritten_graphs
+from graphs import calls, rewritten_graphs, sent_to_heads
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError, UnsupportedError
 from ulysses_compile.boundary import SequenceBlocks
@@ -21,26 +21,29 @@ from ulysses_compile.collectives import (
     reduce_partial,
     scatter_seq,
     seq_to_heads,
+    seq_to_heads_qkv,
     sync_grad,
 )
 from ulysses_compile.sharding import is_rank_local, sharding_of
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_llama_has_four_all_to_alls_per_layer_and_local_shapes(fake_group, world_size):
+def test_llama_has_two_all_to_alls_per_layer_and_local_shapes(fake_group, world_size):
     fake_group(world_size)
     heads, kv_heads, layers, seq = 8, (4 if world_size < 8 else 8), 3, 64
     model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=layers)
     ids, labels = token_batch(seq=seq)
     (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
-    to_heads, to_seq = calls(gm, seq_to_heads), calls(gm, heads_to_seq)
-    assert len(to_heads) == 3 * layers and len(to_seq) == layers
+    # the KV heads split like the query heads: q, k and v go to heads by one all-to-all
+    to_heads, to_seq = calls(gm, seq_to_heads_qkv), calls(gm, heads_to_seq)
+    assert len(to_heads) == layers and len(to_seq) == layers
+    assert calls(gm, seq_to_heads) == [] and calls(gm, gather_kv_heads) == []
     local = seq // world_size
     head_dim = model.config.head_dim
-    shapes = sorted(tuple(n.args[0].meta["val"].shape) for n in to_heads)
-    assert shapes == sorted([(2, heads, local, head_dim)] * layers + [(2, kv_heads, local, head_dim)] * 2 * layers)
-    for node in to_heads:
-        inp, out = node.args[0].meta["val"], node.meta["val"]
+    sent = sent_to_heads(gm)
+    shapes = [tuple(inp.shape) for inp, _ in sent]
+    assert shapes == [(2, heads, local, head_dim), (2, kv_heads, local, head_dim), (2, kv_heads, local, head_dim)] * layers
+    for inp, out in sent:
         assert tuple(out.shape) == (2, inp.shape[1] // world_size, seq, head_dim)
     for node in to_seq:
         assert tuple(node.meta["val"].shape) == (2, heads, local, head_dim)
@@ -59,7 +62,8 @@ def test_gpt2_merged_sequence_views_stay_sharded(fake_group):
     ids, labels = token_batch(seq=32)
     graphs = rewritten_graphs(tiny_gpt2(), (), {"input_ids": ids, "labels": labels, "use_cache": False})
     model_graph = graphs[0]
-    assert len(calls(model_graph, seq_to_heads)) == 6 and model_graph.meta["ulysses_report"].fallbacks == []
+    assert len(calls(model_graph, seq_to_heads_qkv)) == 2 and calls(model_graph, seq_to_heads) == []
+    assert len(calls(model_graph, heads_to_seq)) == 2 and model_graph.meta["ulysses_report"].fallbacks == []
     # GPT-2's Conv1D flattens [B, S, H] to [B*S, H]: locally [B*S/P, H]
     addmm_rows = [n.args[1].meta["val"].shape[0] for n in model_graph.graph.nodes if n.target is torch.addmm]
     assert addmm_rows and set(addmm_rows) == {2 * 32 // 4}
@@ -129,10 +133,11 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : t
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    seq_to_heads = ulysses_compile_collectives_seq_to_heads(q, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-    seq_to_heads_1 = ulysses_compile_collectives_seq_to_heads(k, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-    seq_to_heads_2 = ulysses_compile_collectives_seq_to_heads(v, seq_dim = 2, head_dim = 1, seq_len = 8, rank = 0, world_size = 2, group_name = '0')
-    y = torch._C._nn.scaled_dot_product_attention(seq_to_heads, seq_to_heads_1, seq_to_heads_2, is_causal = True)
+    seq_to_heads_qkv = ulysses_compile_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
+    getitem_3 = seq_to_heads_qkv[0]
+    getitem_4 = seq_to_heads_qkv[1]
+    getitem_5 = seq_to_heads_qkv[2]
+    y = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
     heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
     transpose = heads_to_seq.transpose(1, 2)
     reshape = transpose.reshape((2, 4, 16))
@@ -148,13 +153,16 @@ def test_uneven_heads_split_two_two_one_one(fake_group, rank):
     (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
     heads = 2 if rank < 2 else 1  # 6 heads on 4 ranks: 2, 2, 1, 1
     head_dim = model.config.head_dim
-    for node in calls(gm, seq_to_heads):
-        assert tuple(node.args[0].meta["val"].shape) == (2, 6, 8, head_dim)
-        assert tuple(node.meta["val"].shape) == (2, heads, 32, head_dim)
+    sent = sent_to_heads(gm)
+    assert len(sent) == 3
+    for inp, out in sent:
+        assert tuple(inp.shape) == (2, 6, 8, head_dim)
+        assert tuple(out.shape) == (2, heads, 32, head_dim)
     (back,) = calls(gm, heads_to_seq)
     assert tuple(back.args[0].meta["val"].shape) == (2, heads, 32, head_dim)
     assert tuple(back.meta["val"].shape) == (2, 6, 8, head_dim)
-    assert len(calls(gm, seq_to_heads)) == 3 and gm.meta["ulysses_report"].fallbacks == []
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
+    assert gm.meta["ulysses_report"].fallbacks == []
 
 
 def test_more_ranks_than_heads_is_an_error_that_names_the_site(fake_group):
@@ -177,8 +185,10 @@ def test_sequences_that_do_not_divide_split_in_balanced_blocks(fake_group, seq, 
     (gm,) = rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
     (scatter,) = [n for n in gm.graph.nodes if n.target is scatter_seq and n.args[0].name == "l_kwargs_input_ids_"]
     assert scatter.kwargs["dim"] == 1 and tuple(scatter.meta["val"].shape) == (seq, local)
-    for node in calls(gm, seq_to_heads):
-        assert node.args[0].meta["val"].shape[2] == local and node.meta["val"].shape[2] == seq
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
+    assert len(sent_to_heads(gm)) == 3
+    for inp, out in sent_to_heads(gm):
+        assert inp.shape[2] == local and out.shape[2] == seq
     assert calls(gm, gather_seq) == []  # the logits leave as the rank's block of the sequence's length
     assert list(gm.meta["ulysses_report"].sharded_outputs.values()) == [SequenceBlocks(1, 1, 1, seq)]
     assert gm.meta["ulysses_report"].fallbacks == []
@@ -188,7 +198,7 @@ def test_sequence_shorter_than_the_ranks_runs_replicated(fake_group):
     fake_group(4, 3)
     ids, labels = token_batch(seq=2)
     (gm,) = rewritten_graphs(tiny_llama(layers=1), (), {"input_ids": ids, "labels": labels, "use_cache": False})
-    assert calls(gm, seq_to_heads) == [] and calls(gm, gather_seq) == []
+    assert calls(gm, seq_to_heads) == [] and calls(gm, seq_to_heads_qkv) == [] and calls(gm, gather_seq) == []
     assert gm.meta["ulysses_report"].replicated == "a sequence of 2 positions is shorter than the 4 sequence-parallel ranks"
 
 
@@ -204,14 +214,16 @@ def test_model_zoo_is_parallelized_without_fallbacks(fake_group, name, world_siz
     if name == "falcon_mqa":
         kv_heads = 1
     kv_by_all_to_all = kv_heads % world_size == 0
-    all_to_alls = calls(gm, seq_to_heads) + calls(gm, heads_to_seq)
-    assert len(all_to_alls) == layers * (4 if kv_by_all_to_all else 2)
+    # KV heads that split like the query heads travel with them: one all-to-all for q, k and v; else
+    # q alone goes by all-to-all and each rank gathers the KV heads its query heads use
+    assert len(calls(gm, seq_to_heads_qkv)) == (layers if kv_by_all_to_all else 0)
+    assert len(calls(gm, seq_to_heads)) == (0 if kv_by_all_to_all else layers)
+    assert len(calls(gm, heads_to_seq)) == layers
     assert len(calls(gm, gather_kv_heads)) == (0 if kv_by_all_to_all else 2 * layers)
-    if kv_heads % world_size == 0:  # q, k, v with all their (un-repeated) heads; the output with H/P
-        sent_heads = sorted(n.args[0].meta["val"].shape[1] for n in all_to_alls)
+    if kv_by_all_to_all:  # q, k, v with all their (un-repeated) heads; the output with H/P
         heads = model.config.num_attention_heads
-        expected = [kv_heads] * 2 * layers + [heads] * layers + [heads // world_size] * layers
-        assert sent_heads == sorted(expected)
+        assert [inp.shape[1] for inp, _ in sent_to_heads(gm)] == [heads, kv_heads, kv_heads] * layers
+        assert [n.args[0].meta["val"].shape[1] for n in calls(gm, heads_to_seq)] == [heads // world_size] * layers
     assert gm.meta["ulysses_report"].fallbacks == []  # gpt-oss's MoE blocks too
 
 
@@ -317,8 +329,9 @@ def test_handwritten_attention_runs_on_heads(fake_group):
     report = gm.meta["ulysses_report"]
     assert [site.form for site in report.attention_sites] == ["matmul_softmax"]
     assert report.fallbacks == [] and calls(gm, gather_seq) == [] and len(report.sharded_outputs) == 1
-    shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape))
-              for n in calls(gm, seq_to_heads) + calls(gm, heads_to_seq)]
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []  # q, k, v exist before q @ k^T
+    shapes = [(tuple(inp.shape), tuple(out.shape)) for inp, out in sent_to_heads(gm)]
+    shapes += [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in calls(gm, heads_to_seq)]
     assert shapes == [
         ((2, 2, 16, 8), (2, 1, 32, 8)),  # q: sequence -> heads
         ((2, 2, 16, 8), (2, 1, 32, 8)),  # k, before its transpose
@@ -375,7 +388,7 @@ def test_complex_rotary_embedding_keeps_the_sequence_sharded(fake_group):
     (gm,) = rewritten_graphs(PROBES["complex_rotary"](), (torch.randint(0, 32, (2, 15)),))
     report = gm.meta["ulysses_report"]
     assert len(report.attention_sites) == 1 and "parallelized" in report.attention_sites[0].decision
-    assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == [] and len(calls(gm, heads_to_seq)) == 1
     assert report.fallbacks == [] and calls(gm, gather_seq) == [] and len(report.sharded_outputs) == 1
 
 
@@ -394,4 +407,5 @@ def test_attention_with_sinks_is_parallel_from_the_embedding_on(fake_group):
     assert embedding.args[0].target is scatter_seq and embedding.args[0].args[0].op == "placeholder"
     # the only other slice: the sinks, to the rank's heads
     assert [node.args[0].target for node in calls(gm, scatter_seq)][1:] == ["expand"]
-    assert len(calls(gm, seq_to_heads)) == 3 and len(calls(gm, heads_to_seq)) == 1 and report.fallbacks == []
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
+    assert len(calls(gm, heads_to_seq)) == 1 and report.fallbacks == []

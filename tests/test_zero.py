@@ -269,7 +269,7 @@ def _collective_dtypes(graph, op) -> list[torch.dtype]:
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
     from graphs import calls
-    from ulysses_compile.collectives import gather_parameter, seq_to_heads
+    from ulysses_compile.collectives import gather_parameter, seq_to_heads, seq_to_heads_qkv
 
     fake_group(2)
     model = tiny_llama(layers=1)
@@ -279,7 +279,8 @@ def test_parameters_are_gathered_inside_the_graph(fake_group):
     assert len(shards) == 12 and sum(p.to_local().numel() for p in shards) == total // 2
     ids, labels = token_batch(seq=32)
     gm, _, _ = parallelized_graphs(compiled, {"input_ids": ids, "labels": labels, "use_cache": False})
-    assert len(calls(gm, gather_parameter)) == 12 and len(calls(gm, seq_to_heads)) == 3
+    assert len(calls(gm, gather_parameter)) == 12
+    assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
 
 
 def test_stage_three_gathers_parameters_again_in_backward(fake_group):

@@ -181,7 +181,8 @@ def _describe(row: Row, reports) -> None:
     row.sites = len(sites)
     row.parallel_sites = sum("parallelized" in site.decision for report in reports if not report.replicated
                              for site in report.attention_sites)
-    row.all_to_alls = sum(c.kind in ("seq_to_heads", "heads_to_seq") for r in reports for c in r.collectives)
+    row.all_to_alls = sum(c.kind in ("seq_to_heads_qkv", "seq_to_heads", "heads_to_seq") for r in reports
+                          for c in r.collectives)
     row.gathers = sorted({f"{f.op}: {f.reason}"[:120] for r in reports for f in r.fallbacks})
     reasons = [r.replicated for r in reports if r.replicated] + [s.decision for s in sites
                                                                  if "parallelized" not in s.decision]

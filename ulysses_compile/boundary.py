@@ -29,16 +29,26 @@ needs P to divide the length to know it.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DTensorShard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .collectives import gather_blocks, gather_rows, take_block
-from .compat import disabled_torch_function, is_fake, make_wrapper_subclass, statically_known_true, tree_map
+from .compat import (
+    disabled_torch_function,
+    is_fake,
+    make_wrapper_subclass,
+    statically_known_true,
+    tree_map,
+    version_counter,
+)
 from .errors import CollectiveError, UnsupportedError, is_collective_failure
 from .sizes import is_symbolic
 
@@ -94,31 +104,58 @@ class _Read:
 _LAZY_CALLS = itertools.count()
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class LinearRows:
     """A block not computed yet: ``linear(rows, weight)``, the LM head's logits a tiled loss left out of
     the graph (``passes/tile_token_loss.py``), computed when read from the hidden states the loss keeps
-    for its backward anyway. ``version`` is the weight's in-place write count when the graph ran."""
+    for its backward anyway. ``version`` is the weight's in-place write count when the graph ran;
+    ``stepped``: an optimizer has stepped the weight since (writes outside autograd's counter)."""
 
     rows: torch.Tensor
     weight: torch.Tensor
     version: int
     name: str
+    stepped: bool = False
 
-    def block(self) -> torch.Tensor:
-        if self.weight._version != self.version:
-            raise UnsupportedError(
-                f"the {self.name} (the logits of a model whose loss runs tiled) are computed when first read, "
-                f"from the LM head's weight, and that weight was written in place since the model ran "
-                f"(optimizer.step()); read the logits before the optimizer step (logits = out.logits.clone()), "
-                f"or compile with options={{'outputs': 'gather'}}"
-            )
-        with torch.no_grad():
-            return torch.nn.functional.linear(self.rows, self.weight)
+    def __post_init__(self):
+        _watch_optimizer_steps()
+        _UNREAD.add(self)
 
     @property
     def shape(self) -> tuple:
         return (*self.rows.shape[:-1], self.weight.shape[0])
+
+    def block(self) -> torch.Tensor:
+        if self.stepped or version_counter(self.weight) != self.version:
+            raise UnsupportedError(
+                f"the {self.name} (the logits of a model whose loss runs tiled) are computed when first read, "
+                f"from the LM head's weight, and that weight was written since the model ran "
+                f"(optimizer.step()); read the logits before the optimizer step (logits = out.logits.clone()), "
+                f"or compile with options={{'outputs': 'gather'}}"
+            )
+        _UNREAD.discard(self)
+        with torch.no_grad(), torch.autocast(self.rows.device.type, enabled=False):
+            return torch.nn.functional.linear(self.rows, self.weight)
+
+
+_UNREAD: weakref.WeakSet = weakref.WeakSet()
+
+
+@functools.cache
+def _watch_optimizer_steps():
+    """Optimizers whose kernels write parameters without counting the write (fused and 8-bit Adams,
+    ``p.data`` updates): a step marks the unread logits over a stepped weight."""
+    return register_optimizer_step_pre_hook(_mark_stepped)
+
+
+def _mark_stepped(optimizer, args, kwargs) -> None:
+    if not _UNREAD:
+        return
+    stepped = {parameter.untyped_storage().data_ptr() for group in optimizer.param_groups
+               for parameter in group["params"] if not isinstance(parameter, DTensor)}  # ZeRO: a gathered copy
+    for unread in list(_UNREAD):
+        if unread.weight.untyped_storage().data_ptr() in stepped:
+            unread.stepped = True
 
 
 class GatheredOnUse(torch.Tensor):
@@ -295,7 +332,7 @@ class _LeaveShardedLinear(torch.autograd.Function):
     def forward(ctx, rows, weight, layout: _Layout, length, read: _Read):
         ctx.layout = layout
         ctx.save_for_backward(rows, weight)
-        block = LinearRows(rows.detach(), weight.detach(), weight._version, read.name)
+        block = LinearRows(rows.detach(), weight.detach(), version_counter(weight), read.name)
         return GatheredOnUse(block, None, layout, length, read, [])
 
     @staticmethod
@@ -303,8 +340,10 @@ class _LeaveShardedLinear(torch.autograd.Function):
         rows, weight = ctx.saved_tensors
         layout = ctx.layout
         block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
-        grad_weight = block.reshape(-1, block.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1])
-        return block @ weight, grad_weight, None, None, None
+        grad_rows = block @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = block.reshape(-1, block.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1]) \
+            if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight, None, None, None
 
 
 def computed_outputs(outputs, computed: dict[int, int]) -> list:

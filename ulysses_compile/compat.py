@@ -20,7 +20,9 @@ from torch.utils._sympy.reference import PythonReferenceAnalysis
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
+    "version_counter",
     "BackendCompilerFailed",
+    "buffer_slots",
     "CompileContext",
     "FakeTensor",
     "FakeTensorMode",
@@ -44,10 +46,12 @@ __all__ = [
     "make_boxed_func",
     "op_name",
     "parameter_slots",
+    "real_tensors",
     "recompute_region",
     "bind_symbols",
     "guards_hold",
     "symbol_hints",
+    "symbol_lower_bounds",
     "symbolic_expr",
     "symbolic_hint",
     "tag_recompute",
@@ -209,3 +213,27 @@ def returns_to_compile_caller(gm) -> bool:
             return False
         frame = frame.f_back
     return False
+
+
+def buffer_slots(module: torch.nn.Module) -> dict:
+    """A module's own buffer dict, name -> buffer, written in place."""
+    return module._buffers
+
+
+def symbol_lower_bounds(size: torch.SymInt, symbols) -> dict:
+    """The least value each size symbol may take (2 for a length Dynamo made symbolic), None where torch
+    has no range for it, from ``size``'s shape environment."""
+    ranges = size.node.shape_env.var_to_range
+    return {symbol: ranges[symbol].lower if symbol in ranges else None for symbol in symbols}
+
+
+def real_tensors():
+    """A context in which new tensors are real even inside a ``FakeTensorMode`` (explain on meta weights)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes autograd has counted on ``tensor`` (shared by its views)."""
+    return tensor._version

@@ -11,24 +11,44 @@ the backward, and each graph's code before and after every pass.
     print(report)                        # the summary table
     report.graphs[0].graphs["insert_all_to_all"]   # code after a pass; .captured is Dynamo's graph
 
+A model built on the meta device (``with torch.device("meta"): model = ...``, ids on meta too) is planned
+without any memory for its weights or activations: its copy's parameters, buffers and the inputs become
+fake CPU tensors (tied weights stay tied), and the report is the one real weights give, with a note in
+each graph's notes.
+
 Like ``torch._dynamo.explain`` it resets the compiler's caches first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 
 from .backend import aot, rewrite
-from .compat import BackendCompilerFailed, c10d_functional, dynamo_counters, make_boxed_func, register_fake_backend
+from .compat import (
+    BackendCompilerFailed,
+    FakeTensorMode,
+    buffer_slots,
+    c10d_functional,
+    dynamo_counters,
+    make_boxed_func,
+    parameter_slots,
+    register_fake_backend,
+    symbolic_hint,
+    tree_leaves,
+    tree_map,
+)
 from .errors import UlyssesError
 from .options import Options
 from .report import CollectiveCall, Report, SiteReport, module_path
 from .sharding import block_sizes, sharding_of
-from .sizes import as_int
+from .sizes import as_int, is_symbolic, same_size
 from .verify import differentiable_scalar
+
+FAKE_NOTE = "explained on fake tensors (the model or its inputs are on the meta device): no value was computed"
 
 # The functional collectives AOTAutograd leaves in the forward and backward programs.
 COLLECTIVE_OPS = {
@@ -55,15 +75,20 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         )
     opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
     report = Report(world_size=world_size, rank=rank)
+    model = copy.deepcopy(model)
+    fake_mode = FakeTensorMode() if _on_meta(model, args, kwargs) else None
+    if fake_mode is not None:
+        args, kwargs = _to_fake(model, (args, kwargs), fake_mode)
     torch.compiler.reset()
     dynamo_counters.clear()
     register_fake_backend()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
-        compiled = torch.compile(copy.deepcopy(model), backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
-        scalar = differentiable_scalar(compiled(*args, **kwargs))
-        if scalar is not None:
-            scalar.backward()
+        with fake_mode or contextlib.nullcontext():
+            compiled = torch.compile(model, backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
+            scalar = differentiable_scalar(compiled(*args, **kwargs))
+            if scalar is not None:
+                scalar.backward()
     except BackendCompilerFailed as failure:
         if isinstance(failure.inner_exception, UlyssesError):  # the verdict itself, e.g. more ranks than heads
             raise failure.inner_exception from None
@@ -73,7 +98,45 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         torch.compiler.reset()
     report.graph_breaks = [f"{reason} (x{count})" for reason, count in
                            dynamo_counters["graph_break"].items()]
+    if fake_mode is not None:
+        for graph in report.graphs:
+            graph.notes.append(FAKE_NOTE)
     return report
+
+
+def _on_meta(model: torch.nn.Module, args, kwargs) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]
+    return any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in tensors)
+
+
+def _to_fake(model: torch.nn.Module, inputs, mode):
+    """Every parameter and buffer of ``model`` (replaced in place) and every tensor of ``inputs``
+    (returned) as a fake tensor of ``mode``: a meta tensor becomes one on the CPU, so that tensors the
+    model creates on its inputs' device are fake ones too (``torch.tensor(..., device="meta")`` inside a
+    fake mode is a plain meta tensor). A tensor reached twice (tied weights) has one fake copy."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fake(tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if id(tensor) not in copies:  # the original is kept alive with its copy: ids stay unique
+            if tensor.is_meta:
+                with mode:
+                    fake_tensor = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                fake_tensor.requires_grad_(tensor.requires_grad)
+            else:
+                fake_tensor = mode.from_tensor(tensor)
+            if isinstance(tensor, torch.nn.Parameter):
+                fake_tensor = torch.nn.Parameter(fake_tensor, requires_grad=tensor.requires_grad)
+            fake_tensor.__dict__.update(tensor.__dict__)  # what the user attached, e.g. torch._dynamo.mark_dynamic
+            copies[id(tensor)] = (tensor, fake_tensor)
+        return copies[id(tensor)][1]
+
+    for module in model.modules():
+        for slots in (parameter_slots(module), buffer_slots(module)):
+            for name, tensor in slots.items():
+                slots[name] = fake(tensor)
+    return tree_map(fake, inputs)
 
 
 def _compile(gm, example_inputs, opts: Options, report: Report):
@@ -101,12 +164,13 @@ def _compile(gm, example_inputs, opts: Options, report: Report):
 def _site_report(site, world_size: int, rank: int) -> SiteReport:
     heads = block_sizes(site.heads, world_size)
     blocks = block_sizes(as_int(site.seq_len), world_size)
+    even_blocks = all(same_size(block, blocks[0]) for block in blocks)  # no hashing: a block may be symbolic
     verdicts = [
         f"heads {site.heads} on {world_size} ranks: "
         + (f"{heads[0]} each" if len(set(heads)) == 1 else f"uneven blocks {','.join(map(str, heads))}"),
         f"kv heads {site.kv_heads}: " + ("by all-to-all" if site.kv_by_all_to_all(world_size) else
                                           "each rank gathers the KV heads its query heads use"),
-        f"seq {site.seq_len}: " + (f"{blocks[0]} per rank" if len(set(blocks)) == 1 else
+        f"seq {site.seq_len}: " + (f"{blocks[0]} per rank" if even_blocks else
                                    f"uneven blocks {','.join(map(str, blocks))} (rank {rank}: {blocks[rank]})"),
     ]
     return SiteReport(
@@ -130,7 +194,7 @@ def _minimum_bytes(site, world_size: int, rank: int) -> int:
     local_kv_heads = block_sizes(site.kv_heads, world_size)[rank]
     forward = local_seq * site.heads + 2 * local_kv_seq * site.kv_heads + seq * local_heads
     backward = seq * local_heads + 2 * kv_seq * local_kv_heads + local_seq * site.heads
-    return batch * (forward + backward) * site.head_dim * query.element_size()
+    return _at_call(batch * (forward + backward) * site.head_dim * query.element_size())
 
 
 def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
@@ -144,7 +208,7 @@ def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
             phase=phase, kind=kind, purpose=(node.meta.get("custom") or {}).get("ulysses_collective", ""),
             where=module_path(node), shape=tuple(as_int(size) for size in value.shape),
             dtype=str(value.dtype).removeprefix("torch."),
-            bytes=as_int(value.numel()) * value.element_size(),
+            bytes=_at_call(value.numel() * value.element_size()),
         ))
     return calls
 
@@ -153,4 +217,9 @@ def _saved_bytes(backward) -> int:
     """The tensors the forward saves for the backward: the backward's inputs that are not gradients."""
     saved = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")
              if not node.name.startswith("tangents")]
-    return sum(as_int(value.numel()) * value.element_size() for value in saved if isinstance(value, torch.Tensor))
+    return sum(_at_call(value.numel() * value.element_size()) for value in saved if isinstance(value, torch.Tensor))
+
+
+def _at_call(size) -> int:
+    """A byte count at the sizes of the call explained (a symbolic length at its value there)."""
+    return symbolic_hint(size) if is_symbolic(size) else size

@@ -53,7 +53,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
         report.rejected_attention += _run(report, decompose_multi_head_attention, gm, ctx)
         report.rejected_attention += _run(report, recognize_flash_attention, gm, ctx)
-        _run(report, recognize_causal_mask, gm, ctx)
+        report.notes += _run(report, recognize_causal_mask, gm, ctx)
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected

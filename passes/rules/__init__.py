@@ -155,6 +155,9 @@ _WRITES_FIRST_ARGUMENT = {
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_"})  # end in "_" but write no values
 
 
+_OPERATORS_NAMED_LIKE_WRITES = frozenset({operator.and_, operator.or_, operator.not_})  # a & b: a new tensor
+
+
 def mutated_arg(node: fx.Node):
     """The argument an op writes into: ``x.add_(y)``, ``x += y``, ``x[i] = y``, ``F.relu(x, inplace=True)``."""
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__") \
@@ -165,7 +168,8 @@ def mutated_arg(node: fx.Node):
     if node.op != "call_function" or not node.args:
         return None
     name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_") and isinstance(node.args[0], fx.Node):
+    if name.endswith("_") and not name.startswith("_") and isinstance(node.args[0], fx.Node) \
+            and node.target not in _OPERATORS_NAMED_LIKE_WRITES:
         return node.args[0]  # torch.relu_(x), torch.nn.init.zeros_(w)
     if node.target in _WRITES_FIRST_ARGUMENT:
         return node.args[0]
