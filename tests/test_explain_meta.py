@@ -40,7 +40,8 @@ def test_a_meta_llama_is_explained_as_with_real_weights(world_size, use_cache):
     assert [site.mask for site in meta.attention_sites] == ["causal"] * layers
     assert all(site.decision.startswith("parallelized") for site in meta.attention_sites)
     totals = meta.totals()
-    assert totals[("forward", "all_to_all")][0] > 0 and totals[("backward", "all_to_all")][0] > 0
+    # per layer and direction: q, k and v (or q alone, KV heads gathered) and the output
+    assert totals[("forward", "all_to_all")][0] == totals[("backward", "all_to_all")][0] == 2 * layers, totals
     (graph,) = meta.graphs
     assert FAKE_NOTE in graph.notes and FAKE_NOTE not in real.graphs[0].notes
     assert not [note for note in graph.notes if UNPROVEN in note]
