@@ -16,7 +16,9 @@ after a training step with AdamW:
 - the peak memory of one step (forward, backward, optimizer step; after a warm-up step that compiles):
   the process's peak resident memory above its resident memory when the step starts (Linux
   ``VmHWM``, reset through ``/proc/self/clear_refs``). glibc's allocator is told to return every
-  block over 64 KiB at once (``MALLOC_MMAP_THRESHOLD_``), so freed tensors do not linger in it.
+  block over 64 KiB at once (``MALLOC_MMAP_THRESHOLD_``), so freed tensors do not linger in it;
+- ``explain``'s estimate of that step peak (its peak less the parameters and optimizer state), from
+  the same model planned at P ranks in one process, and its error against the measured peak.
 
 "1 device" is the same step compiled for one rank (a group of one, which the backend compiles as its
 inner compiler would). Every row shows the largest figure over the ranks.
@@ -128,10 +130,12 @@ def run(rank: int, world_size: int, port: int, args) -> None:
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
         print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
-                                                                  "step peak")))
+                                                                  "step peak")) + f"{'explain estimate':>30}")
         for name, values in worst.items():
+            estimate = args.estimates.get(name)
             print(f"{name:>9}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
-                                         for value, one in zip(values, single)))
+                                         for value, one in zip(values, single))
+                  + (f"{estimate / 2**20:>12.1f} MiB ({estimate / values[3] - 1:+.1%})" if estimate else ""))
     dist.destroy_process_group()
 
 
@@ -148,7 +152,19 @@ def main() -> None:
     parser.add_argument("--outputs", default="lazy", choices=("lazy", "gather", "dtensor"),
                         help="the ulysses option: the logits gathered when read (the default), gathered in the "
                              "graph, or returned as a DTensor")
-    launch(run, parser.parse_args())
+    args = parser.parse_args()
+    args.estimates = {f"stage {stage}": estimated_step_peak(args, stage) for stage in args.stages}
+    launch(run, args)
+
+
+def estimated_step_peak(args, stage: int) -> int:
+    """What ``explain`` estimates for the step peak column: its peak less what is held between steps."""
+    import ulysses_compile
+
+    memory = ulysses_compile.explain(build_model(args.seq_len, args.checkpointing, args.model, args.vocab),
+                                     world_size=args.world_size, zero_stage=stage,
+                                     options={"outputs": args.outputs}, **batch(args.seq_len, args.vocab)).memory.at()
+    return memory.peak - memory.parameters - memory.optimizer_state
 
 
 def launch(run, args) -> None:

@@ -159,6 +159,7 @@ def test_form_equal_to_eager_at_four_ranks(name):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # Inductor compiles five models on two ranks (about 3 minutes); every form runs at P = 4 above
 def test_forms_through_inductor_at_two_ranks():
     names = ["nanogpt_manual", "einsum_bshd", "flash_attn_gqa_alibi_window", "llama_eager_gqa_gathered",
              "nn_transformer_cross_attention"]

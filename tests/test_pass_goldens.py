@@ -269,6 +269,27 @@ gather_parameter: CheckpointPolicy.MUST_RECOMPUTE
 gather_parameter_1: CheckpointPolicy.MUST_RECOMPUTE""")
 
 
+def test_merge_gradient_reductions(fake_group):
+    from graphs import parallelized_graphs
+    from ulysses_compile import parallelize
+
+    fake_group(2)
+    torch.manual_seed(0)
+    model = parallelize(SDPAttention(), zero_stage=2, compiler="eager")
+    gm = parallelized_graphs(model, {"x": _features()}, backward_of=lambda output: output.sum())[0]
+    assert_expected_inline(_changes(gm.meta["ulysses_report"], "merge_gradient_reductions"), """\
+-    gather_parameter = ulysses_compile_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None)
+-    sync_grad = ulysses_compile_collectives_sync_grad(gather_parameter, group_name = '0')
+-    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
++    gather_parameter = ulysses_compile_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None, grad_divisor = 1)
++    linear = torch._C._nn.linear(scatter_seq, gather_parameter, None)
+-    gather_parameter_1 = ulysses_compile_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None)
+-    sync_grad_1 = ulysses_compile_collectives_sync_grad(gather_parameter_1, group_name = '0')
+-    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
++    gather_parameter_1 = ulysses_compile_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None, grad_divisor = 1)
++    linear_1 = torch._C._nn.linear(reshape, gather_parameter_1, None)""")
+
+
 def test_insert_all_to_all(fake_group):
     _, report = _report(fake_group, SDPAttention(), _features())
     assert_expected_inline(_changes(report, "insert_all_to_all"), """\
@@ -322,7 +343,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 14, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 15, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -6,7 +6,9 @@ every rank.
 
 explain  traces and rewrites the model for P ranks in this process (simulated ranks, no launcher) and
          prints the report: attention sites and their verdicts, collectives per step against the
-         Ulysses minimum, fallbacks, graph breaks, saved activations.
+         Ulysses minimum, fallbacks, graph breaks, the memory per rank of a training step;
+         --seq-len N calls FACTORY(seq_len=N), --zero-stage K plans parallelize(zero_stage=K),
+         --max-memory 80GiB adds the longest sequence whose step fits.
 verify   launches P CPU (gloo) ranks; each runs one forward and backward compiled with
          backend="ulysses" and eagerly, and compares every output and parameter gradient. Prints a
          table of max abs / relative errors; exits 1 on a mismatch, 2 if a rank failed.
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import inspect
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,9 +53,15 @@ def load_factory(spec: str):
     return factory
 
 
-def build(spec: str):
+def build(spec: str, **factory_kwargs):
     torch.manual_seed(0)
-    built = load_factory(spec)()
+    factory = load_factory(spec)
+    try:
+        inspect.signature(factory).bind(**factory_kwargs)
+    except TypeError:
+        raise UlyssesError(f"{spec}: the factory takes no {', '.join(factory_kwargs)} argument; "
+                           f"give it one (def {factory.__name__}(seq_len=...)) to plan at other lengths") from None
+    built = factory(**factory_kwargs)
     if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], torch.nn.Module)
             and isinstance(built[1], (tuple, list)) and isinstance(built[2], dict)):
         raise UlyssesError(f"{spec}: the factory returned {type(built).__name__}; expected a tuple "
@@ -63,13 +73,45 @@ def _explain(arguments) -> int:
     from .explain import explain
 
     started = time.perf_counter()
-    model, args, kwargs = build(arguments.factory)
+    lengths = {} if arguments.seq_len is None else {"seq_len": arguments.seq_len}
+    model, args, kwargs = build(arguments.factory, **lengths)
     print(f"explain: {type(model).__name__} from {arguments.factory} at {arguments.world_size} simulated "
-          f"ranks (this process is rank {arguments.rank}) ...", flush=True)
-    report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank, **kwargs)
+          f"ranks (this process is rank {arguments.rank}), ZeRO stage {arguments.zero_stage} ...", flush=True)
+    report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank,
+                     zero_stage=arguments.zero_stage, optimizer_states=arguments.optimizer_states,
+                     dynamic=True if arguments.max_memory else None, **kwargs)
     print(report)
+    if arguments.max_memory:
+        print(_longest(report.memory, arguments.max_memory, arguments.world_size, arguments.seq_len))
     print(f"explain: done in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``512MiB``, ``1.5TiB``, ``1000000`` -> bytes."""
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 80GiB, 512MiB or 40GB")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _longest(memory, limit: int, world_size: int, seq_len: int | None) -> str:
+    """The longest sequence whose estimated step peak fits in ``limit`` bytes per rank: the size symbol
+    of value ``seq_len`` (default: the largest) is the length."""
+    lengths = [(symbol, value) for symbol, value in memory.hints.items()
+               if value == (seq_len or max(memory.hints.values()))]
+    if len(lengths) != 1:
+        raise UlyssesError(f"--max-memory: cannot tell the sequence length among the trace's symbolic sizes "
+                           f"{memory.hints or 'none'}; give --seq-len a value no other size of the inputs has")
+    ((symbol, traced),) = lengths
+    length = memory.longest(symbol, limit, step=world_size, start=traced)
+    if length is None:
+        return (f"\nmax memory {limit / 2**30:.2f} GiB per rank: not even {world_size} tokens fit (parameters and "
+                f"optimizer state alone: {(memory.parameters + memory.optimizer_states * memory.trainable) / 2**30:.2f} GiB)")
+    return (f"\nmax memory {limit / 2**30:.2f} GiB per rank: the longest sequence that fits at P = {world_size} is "
+            f"{length:,} tokens (a multiple of P), estimated:\n{memory.at({symbol: length})}")
 
 
 def _verify_rank(rank: int, world_size: int, port: int, arguments, results) -> None:
@@ -153,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("factory", help=FACTORY_HELP)
         command.add_argument("--world-size", "-P", type=int, required=True, help="the number of ranks P")
     explain.add_argument("--rank", type=int, default=0, help="the rank whose program is reported (default 0)")
+    explain.add_argument("--seq-len", type=int, help="call FACTORY(seq_len=N): plan at this sequence length")
+    explain.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                         help="plan ulysses_compile.parallelize(model, zero_stage=K) (default 0)")
+    explain.add_argument("--optimizer-states", type=int, default=2,
+                         help="tensors the size of each parameter the optimizer keeps (AdamW: 2, the default)")
+    explain.add_argument("--max-memory", type=parse_bytes,
+                         help="also print the longest sequence whose step fits in this much memory per rank "
+                              "(e.g. 80GiB); traces once with a symbolic length")
     verify.add_argument("--compiler", default="aot_eager", choices=("inductor", "aot_eager", "eager"),
                         help="the inner compiler (default aot_eager: no code generation, quick)")
     verify.add_argument("--rtol", type=float, default=RTOL,

@@ -19,7 +19,8 @@ sync_grad            identity                   all-reduce(sum): a replicated va
                                                 ops only receives its rank's share of the gradient
 average_grad         identity                   all-reduce(sum) / D over the data-parallel replicas
 gather_parameter     ZeRO shard -> parameter:   reduce-scatter(sum) / N into the shards (N: every
-                     all-gather                 rank holding a shard, data x sequence)
+                     all-gather                 rank holding a shard, data x sequence), or / D of
+                                                the sequence ranks' shares (sync_grad merged in)
 seq_to_heads         S(seq) -> S(heads)         the inverse all-to-all (autograd of all_to_all_single)
 seq_to_heads_qkv     the same for q, k and v    one inverse all-to-all
                      in one all-to-all
@@ -293,8 +294,8 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
 
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, shape, group_name, group_size, param_dtype, reduce_dtype):
-        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype)
+    def forward(ctx, shard, shape, group_name, group_size, param_dtype, reduce_dtype, grad_divisor):
+        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype, grad_divisor or group_size)
         shard = shard.to(param_dtype or shard.dtype)
         if not shape:  # a 0-d parameter, held whole
             return shard.clone()
@@ -302,7 +303,7 @@ class _GatherParameter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, group_size, shard_dtype, reduce_dtype = ctx.args
+        group_name, group_size, shard_dtype, reduce_dtype, grad_divisor = ctx.args
         grad = grad.to(reduce_dtype or grad.dtype)
         if grad.dim() == 0:
             summed = _all_reduce_sum(grad, group_name)
@@ -311,22 +312,24 @@ class _GatherParameter(torch.autograd.Function):
             padded = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1) + [0, rows * group_size - grad.shape[0]])
             summed = c10d_functional.wait_tensor(
                 c10d_functional.reduce_scatter_tensor(padded.contiguous(), "sum", group_size, group_name))
-        return (summed / group_size).to(shard_dtype), None, None, None, None, None
+        return (summed / grad_divisor).to(shard_dtype), None, None, None, None, None, None
 
 
 @torch.compiler.allow_in_graph
 def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size: int,
                      regather_in_backward: bool = False, param_dtype: torch.dtype | None = None,
-                     reduce_dtype: torch.dtype | None = None):
+                     reduce_dtype: torch.dtype | None = None, grad_divisor: int | None = None):
     """A ZeRO shard (this rank's rows of dim 0, ``sharding.shard_rows``, padded to the largest block)
     -> the full parameter of ``shape``, cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
-    Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by N and
-    cast to the shard's dtype. Every rank's gradient of the full parameter is the same whole gradient
-    (``sync_grad`` summed the sequence ranks' shares), so the division leaves one copy per
-    data-parallel replica, averaged as DDP does. A 0-d parameter is held whole: its gradient is
-    all-reduced and divided by N the same way.
+    Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by
+    ``grad_divisor`` (default N) and cast to the shard's dtype. Where every rank's gradient of the full
+    parameter is the same whole gradient (``sync_grad`` summed the sequence ranks' shares), dividing by
+    N leaves one copy per data-parallel replica, averaged as DDP does; where each rank holds only its
+    share (passes/merge_gradient_reductions.py removed the ``sync_grad``), the divisor is the number of
+    replicas. A 0-d parameter is held whole: its gradient is all-reduced and divided the same way.
     ``regather_in_backward`` (ZeRO stage 3) is read by passes/regather_parameters.py."""
-    return _GatherParameter.apply(local, tuple(shape), group_name, group_size, param_dtype, reduce_dtype)
+    return _GatherParameter.apply(local, tuple(shape), group_name, group_size, param_dtype, reduce_dtype,
+                                  grad_divisor)
 
 
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,

@@ -26,6 +26,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .backend import aot, rewrite
 from .compat import (
@@ -42,11 +43,13 @@ from .compat import (
     tree_map,
 )
 from .errors import UlyssesError
+from .memory import GraphMemory, StepMemory
 from .options import Options
 from .report import CollectiveCall, Report, SiteReport, module_path
 from .sharding import block_sizes, sharding_of
 from .sizes import as_int, is_symbolic, same_size
 from .verify import differentiable_scalar
+from .zero import compile_partitioned
 
 FAKE_NOTE = "explained on fake tensors (the model or its inputs are on the meta device): no value was computed"
 
@@ -60,9 +63,13 @@ COLLECTIVE_OPS = {
 
 
 def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, options: dict | None = None,
-            **kwargs) -> Report:
-    """Report what ``torch.compile(model, backend="ulysses", options=options)`` does to ``model(*args,
-    **kwargs)`` on rank ``rank`` of ``world_size`` sequence-parallel ranks, without launching them."""
+            zero_stage: int = 0, optimizer_states: int = 2, dynamic: bool | None = None, **kwargs) -> Report:
+    """Report what ``torch.compile(model, backend="ulysses", options=options)`` (``parallelize(model,
+    zero_stage=zero_stage)`` for a stage above 0) does to ``model(*args, **kwargs)`` on rank ``rank`` of
+    ``world_size`` sequence-parallel ranks, without launching them. The memory estimate counts
+    ``optimizer_states`` tensors the size of each trainable parameter (AdamW and Adam: 2; SGD with
+    momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
+    function of the sequence length (``report.memory.at({symbol: length})``, ``.longest``)."""
     if not isinstance(world_size, int) or world_size < 2:
         raise UlyssesError(f"explain(world_size={world_size!r}): expected the number of ranks to simulate, 2 or more")
     if not 0 <= rank < world_size:
@@ -73,8 +80,13 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
             "initialized in this process; call explain before init_process_group, or in another process "
             "(python -m ulysses_compile explain FILE.py:FACTORY --world-size P)"
         )
+    if not (isinstance(optimizer_states, int) and optimizer_states >= 0):
+        raise UlyssesError(f"explain(optimizer_states={optimizer_states!r}): expected how many tensors the size "
+                           f"of each parameter the optimizer keeps, 0 or more (AdamW: 2)")
     opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
     report = Report(world_size=world_size, rank=rank)
+    graphs_memory: list[GraphMemory] = []
+    hints: dict = {}
     model = copy.deepcopy(model)
     fake_mode = FakeTensorMode() if _on_meta(model, args, kwargs) else None
     if fake_mode is not None:
@@ -84,8 +96,12 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     register_fake_backend()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
+        # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
+        compiled = compile_partitioned(
+            model, lambda gm, inputs: _compile(gm, inputs, opts, report, graphs_memory, hints),
+            zero_stage=zero_stage, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
+            options=dict(options or {}), dynamic=dynamic)
         with fake_mode or contextlib.nullcontext():
-            compiled = torch.compile(model, backend=lambda gm, inputs: _compile(gm, inputs, opts, report))
             scalar = differentiable_scalar(compiled(*args, **kwargs))
             if scalar is not None:
                 scalar.backward()
@@ -101,7 +117,18 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     if fake_mode is not None:
         for graph in report.graphs:
             graph.notes.append(FAKE_NOTE)
+    report.memory = _step_memory(model, graphs_memory, optimizer_states, hints)
     return report
+
+
+def _step_memory(model: torch.nn.Module, graphs: list[GraphMemory], optimizer_states: int, hints: dict) -> StepMemory:
+    local = [(param.to_local() if isinstance(param, DTensor) else param, param.requires_grad)
+             for param in model.parameters()]
+    sizes = [(tensor.numel() * tensor.element_size(), trainable) for tensor, trainable in local]
+    return StepMemory(graphs=graphs, parameters=sum(size for size, _ in sizes),
+                      trainable=sum(size for size, trainable in sizes if trainable),
+                      largest_shard=max((size for size, trainable in sizes if trainable), default=0),
+                      optimizer_states=optimizer_states, hints=hints)
 
 
 def _on_meta(model: torch.nn.Module, args, kwargs) -> bool:
@@ -139,7 +166,7 @@ def _to_fake(model: torch.nn.Module, inputs, mode):
     return tree_map(fake, inputs)
 
 
-def _compile(gm, example_inputs, opts: Options, report: Report):
+def _compile(gm, example_inputs, opts: Options, report: Report, graphs_memory: list[GraphMemory], hints: dict):
     ctx, graph_report = rewrite(gm, example_inputs, opts, dist.group.WORLD)
     report.graphs.append(graph_report)
     report.attention_sites += [_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites]
@@ -148,12 +175,16 @@ def _compile(gm, example_inputs, opts: Options, report: Report):
     if not graph_report.replicated:
         for site in graph_report.attention_sites:
             report.ulysses_minimum_bytes += _minimum_bytes(site, ctx.world_size, ctx.rank)
+    programs: list[GraphMemory] = []  # this graph's forward program, once traced
 
     def keep(phase):
         def compile_phase(graph, inputs):
             report.collectives += _collective_calls(graph, phase)
-            if phase == "backward":
-                report.saved_bytes += _saved_bytes(graph)
+            if phase == "forward":
+                graphs_memory.append(memory := GraphMemory.of_forward(graph.graph, hints))
+                programs.append(memory)
+            else:
+                programs[0].add_backward(graph.graph, hints)
             return make_boxed_func(graph.forward)
 
         return compile_phase
@@ -211,13 +242,6 @@ def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
             bytes=_at_call(value.numel() * value.element_size()),
         ))
     return calls
-
-
-def _saved_bytes(backward) -> int:
-    """The tensors the forward saves for the backward: the backward's inputs that are not gradients."""
-    saved = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")
-             if not node.name.startswith("tangents")]
-    return sum(_at_call(value.numel() * value.element_size()) for value in saved if isinstance(value, torch.Tensor))
 
 
 def _at_call(size) -> int:

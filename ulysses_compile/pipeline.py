@@ -8,7 +8,7 @@ into the graph's report. The phases::
     detect attention -> sites                                (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
     localize ops, redistribute -> gathered and sharded outputs, tile token losses,
-    average data-parallel gradients, regather parameters,
+    average data-parallel gradients, merge ZeRO's gradient reductions, regather parameters,
     all-to-alls around each site, check local shapes, recompute tags
 
 The pipeline times each pass, keeps the graph code after each in the report, and logs it
@@ -34,6 +34,7 @@ from .passes.detect_attention import AttentionSite, Detection, detect_attention
 from .passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from .passes.insert_all_to_all import insert_all_to_all
 from .passes.localize_ops import localize_ops
+from .passes.merge_gradient_reductions import merge_gradient_reductions
 from .passes.propagate_sharding import propagate_sharding
 from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
@@ -83,6 +84,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     report.notes += tiled.notes
     report.computed_outputs = tiled.computed
     _run(report, average_data_parallel_grads, gm, ctx)
+    _run(report, merge_gradient_reductions, gm, ctx)
     _run(report, regather_parameters, gm, ctx)
     _run(report, insert_all_to_all, gm, ctx, sites)
     _run(report, check_local_shapes, gm, ctx)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from .memory import StepMemory
+
 
 def module_path(node: fx.Node) -> str:
     """The module a node belongs to (a backward node: the module of the forward op it derives from)."""
@@ -120,7 +122,7 @@ class Report:
     fallbacks: list[Fallback] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
     ulysses_minimum_bytes: int = 0  # the sites' q, k, v, output all-to-alls, forward and backward
-    saved_bytes: int = 0  # tensors the forward keeps for the backward: activations (and gathered parameters)
+    memory: StepMemory | None = None  # the per-rank memory estimate of a training step
 
     def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(phase, kind) -> (calls, bytes)."""
@@ -154,5 +156,7 @@ class Report:
         lines += [f"  {call}" for call in self.collectives]
         lines.append(f"\nfallbacks: {len(self.fallbacks)}")
         lines += [f"  {fallback}" for fallback in self.fallbacks]
-        lines.append(f"\nsaved for the backward (activation memory per rank, estimated): {self.saved_bytes:,} B")
+        if self.memory is not None:
+            lines.append(f"\nmemory per rank of a training step, estimated ({self.memory.optimizer_states} optimizer "
+                         f"state(s) per parameter):\n{self.memory.at()}")
         return "\n".join(lines)

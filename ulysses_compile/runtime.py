@@ -117,8 +117,13 @@ def token_loss_sum(logits, hidden, weight, target, ignore_index: int):
     return _token_loss_ops().token_loss_sum(logits, hidden, weight, target, ignore_index)
 
 
+def token_loss_chunk_rows(vocab: int) -> int:
+    """The rows of one chunk of :func:`token_loss_sum` (its logits: ``_CHUNK_ELEMENTS``)."""
+    return max(1, _CHUNK_ELEMENTS // vocab)
+
+
 def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_ELEMENTS // vocab)
+    step = token_loss_chunk_rows(vocab)
     return [(start, min(step, rows - start)) for start in range(0, rows, step)]
 
 

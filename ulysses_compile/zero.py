@@ -91,6 +91,15 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
     returned model. ``param_dtype`` (mixed precision): gather and compute parameters in this dtype while
     the shards, gradients and optimizer state keep theirs; ``reduce_dtype``: the gradients' reduce-scatter
     dtype (default ``param_dtype``)."""
+    return compile_partitioned(model, "ulysses", zero_stage=zero_stage, group=group, mesh=mesh,
+                               param_dtype=param_dtype, reduce_dtype=reduce_dtype, options=options)
+
+
+def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, mesh, param_dtype, reduce_dtype,
+                        options: dict, dynamic: bool | None = None):
+    """:func:`parallelize` with a backend of the caller's: "ulysses", or ``explain``'s, which compiles
+    the same partitioned model against a fake process group (``options`` then only configure the
+    partitioning)."""
     if zero_stage not in ZERO_STAGES:
         raise OptionsError(f"zero_stage={zero_stage!r}: expected one of {list(ZERO_STAGES)} (DeepSpeed's stages)")
     if getattr(model, "_ulysses_zero_stage", None) is not None:
@@ -122,8 +131,9 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
     model._ulysses_zero_stage = zero_stage
     # verify="short" runs the program at a short length: the length must be symbolic from the first call.
-    dynamic = True if options.get("verify") == "short" else None
-    compiled = torch.compile(model, backend="ulysses", dynamic=dynamic, options=options)
+    dynamic = True if options.get("verify") == "short" else dynamic
+    compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
+                else torch.compile(model, backend=backend, dynamic=dynamic))
     if places:
         shards = _LocalShards(places, zero_group.size())
         compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))

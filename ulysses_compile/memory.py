@@ -1,0 +1,242 @@
+"""A per-rank memory estimate of one training step, read from the programs AOTAutograd derives.
+
+Each Dynamo graph's forward and backward programs are walked in order as eager execution runs them:
+every op's result is allocated when the op runs (a view, ``wait_tensor`` or an in-place op's result
+shares its input's storage) and freed after the last use of its storage, unless the program returns
+it. The forward returns the values saved for the backward, which stay alive until that graph's
+backward has run. Sizes are sympy expressions where the sequence length is symbolic, so one trace
+gives the estimate at every length (:meth:`StepMemory.at`).
+
+The step, per rank, on top of the parameters and optimizer state held between steps:
+
+    forward of graph g:    the saved values of the graphs before g + what g's forward holds at once
+    backward of graph g:   the saved values of g and the graphs before it + the gradients made so far
+                           + what g's backward holds at once (its saved values excluded)
+    optimizer step:        the gradients + the optimizer's temporaries (two of the largest shard)
+
+Left out: the allocator's fragmentation and caching (a CUDA caching allocator keeps freed blocks),
+communication buffers of the process group, kernel workspaces (Inductor's fused kernels allocate fewer
+temporaries than the eager programs counted here), the optimizer state's creation at the first step.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .compat import c10d_functional, symbol_hints, symbolic_expr
+from .runtime import token_loss_chunk_rows
+from .sizes import is_symbolic
+
+_ALIASING = {c10d_functional.wait_tensor.default}
+
+
+def _bytes(value, hints: dict) -> int | sympy.Expr:
+    """A tensor's bytes (of every tensor in a tuple), an expression of the size symbols where its
+    shape is symbolic; ``hints`` collects the symbols' values in the call traced."""
+    if isinstance(value, (tuple, list)):
+        return sum((_bytes(item, hints) for item in value), 0)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = value.numel()
+    if not is_symbolic(numel):
+        return numel * value.element_size()
+    expr = symbolic_expr(numel)
+    hints.update({symbol: int(value) for symbol, value in symbol_hints(numel, expr.free_symbols).items()})
+    return expr * value.element_size()
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    target = node.target
+    if target in _ALIASING:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.is_view:
+        return True
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and bool(node.args)
+
+
+def _workspace(node: fx.Node, hints: dict) -> int | sympy.Expr:
+    """Bytes an opaque op allocates inside one call beyond its result: the tiled loss's chunk of logits
+    (forward: the logits and their log-probabilities; backward: also the gradients of both, and the
+    fp32 gradient of the LM head weight with one chunk's product)."""
+    name = getattr(node.target, "name", lambda: "")()
+    if name not in ("ulysses_compile::token_loss_sum", "ulysses_compile::token_loss_sum_backward"):
+        return 0
+    hidden, weight = (arg.meta["val"] for arg in node.args[1:3])
+    vocab, width = weight.shape
+    rows = hidden.shape[0]
+    rows = symbolic_expr(rows) if is_symbolic(rows) else rows
+    if is_symbolic(hidden.shape[0]):
+        hints.update({symbol: int(value) for symbol, value in symbol_hints(hidden.shape[0], rows.free_symbols).items()})
+    chunk = sympy.Min(rows, token_loss_chunk_rows(vocab)) * vocab * 4
+    upcast = 0 if hidden.dtype == torch.float32 else chunk
+    if name.endswith("backward"):
+        return 3 * chunk + upcast + 2 * vocab * width * 4
+    return 2 * chunk + upcast
+
+
+@dataclass
+class Timeline:
+    """One program's allocations in execution order: ``sizes[i]`` bytes alive from step ``born[i]``
+    through step ``freed[i]`` (the last step, for values the program returns)."""
+
+    sizes: list = field(default_factory=list)
+    born: list[int] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, graph: fx.Graph, held, hints: dict) -> Timeline:
+        """The allocations of ``graph``; placeholders in ``held`` are alive throughout and not counted
+        (the caller counts them), other placeholders (gradients handed in) are allocated at the start."""
+        nodes = list(graph.nodes)
+        position = {node: index for index, node in enumerate(nodes)}
+        storage: dict[fx.Node, fx.Node] = {}  # node -> the node that allocated its storage
+        for node in nodes:
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            if source is not None and (_aliases_input(node) or (
+                    node.target is operator.getitem and _aliases_input(source))):
+                storage[node] = storage[source]
+            else:
+                storage[node] = node
+        last_use = {}
+        for node in nodes:
+            for used in node.all_input_nodes:
+                last_use[storage[used]] = position[node]
+        returned = {storage[node] for node in graph.output_node().all_input_nodes}
+        timeline = cls()
+        end = len(nodes) - 1
+        for node in nodes:
+            if storage[node] is not node or node.op == "output" or node in held:
+                continue
+            if node.target is operator.getitem:  # an item of a multi-output op: counted with the op
+                continue
+            workspace = _workspace(node, hints) if node.op == "call_function" else 0
+            if workspace != 0:
+                timeline.sizes.append(workspace)
+                timeline.born.append(position[node])
+                timeline.freed.append(position[node])
+            size = _bytes(node.meta.get("val"), hints)
+            if size != 0:
+                timeline.sizes.append(size)
+                timeline.born.append(position[node])
+                timeline.freed.append(end if node in returned else last_use.get(node, position[node]))
+        return timeline
+
+    def peak(self, sizes: list[int]) -> int:
+        """The most bytes alive at once, with each allocation's size evaluated (``sizes``)."""
+        change = [0] * (max(self.freed, default=0) + 2)
+        for size, born, freed in zip(sizes, self.born, self.freed):
+            change[born] += size
+            change[freed + 1] -= size
+        alive, most = 0, 0
+        for delta in change:
+            alive += delta
+            most = max(most, alive)
+        return most
+
+
+@dataclass
+class GraphMemory:
+    """One Dynamo graph's programs: the forward's allocations, the values it saves for the backward,
+    the backward's allocations and the gradients it returns."""
+
+    forward: Timeline
+    saved: int | sympy.Expr = 0
+    backward: Timeline = field(default_factory=Timeline)
+    gradients: int | sympy.Expr = 0
+
+    @classmethod
+    def of_forward(cls, graph: fx.Graph, hints: dict) -> GraphMemory:
+        """The forward's inputs (parameters, ZeRO shards, the batch, an earlier graph's outputs) are
+        held by the caller."""
+        return cls(Timeline.of(graph, set(graph.find_nodes(op="placeholder")), hints))
+
+    def add_backward(self, graph: fx.Graph, hints: dict) -> None:
+        saved = [node for node in graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
+        # saved values that are forward inputs (primals: parameters, shards) are held by the caller
+        self.saved = sum((_bytes(node.meta.get("val"), hints) for node in saved
+                          if not node.name.startswith("primals")), 0)
+        self.backward = Timeline.of(graph, set(saved), hints)
+        self.gradients = sum((_bytes(node.meta.get("val"), hints) for node in graph.output_node().all_input_nodes), 0)
+
+
+@dataclass
+class MemoryFigures:
+    """Bytes per rank at one sequence length."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved: int  # activations (and ZeRO 1-2's gathered parameters) kept for the backward
+    transient: int  # the most alive at once above parameters, optimizer state and saved values
+    peak: int  # parameters + optimizer state + the step's most
+
+    def __str__(self) -> str:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state), ("saved for the backward", self.saved),
+                ("largest transient", self.transient), ("peak", self.peak)]
+        return "\n".join(f"  {name:<24} {_mib(size):>12}" for name, size in rows)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.1f} MiB"
+
+
+@dataclass
+class StepMemory:
+    """The estimate: the graphs' programs, the parameters this rank holds and its optimizer."""
+
+    graphs: list[GraphMemory]
+    parameters: int  # bytes this rank holds (a ZeRO shard: its rows)
+    trainable: int  # of which require gradients
+    largest_shard: int
+    optimizer_states: int  # tensors the size of each trainable parameter the optimizer keeps (AdamW: 2)
+    hints: dict = field(default_factory=dict)  # size symbol -> its value in the call traced (from _bytes)
+
+    def at(self, values: dict | None = None) -> MemoryFigures:
+        """The figures with the size symbols at ``values`` (default: the call traced)."""
+        values = {**self.hints, **(values or {})}
+
+        def evaluate(size) -> int:
+            return int(size.subs(values)) if isinstance(size, sympy.Expr) else int(size)
+
+        state = self.optimizer_states * self.trainable
+        saved = [evaluate(graph.saved) for graph in self.graphs]
+        grads = [evaluate(graph.gradients) for graph in self.graphs]
+        most = 0
+        for index, graph in enumerate(self.graphs):
+            most = max(most, sum(saved[:index]) + graph.forward.peak([evaluate(s) for s in graph.forward.sizes]))
+        for index in reversed(range(len(self.graphs))):
+            backward = self.graphs[index].backward
+            made = sum(grads[index + 1:])
+            most = max(most, sum(saved[: index + 1]) + made + backward.peak([evaluate(s) for s in backward.sizes]))
+        most = max(most, self.trainable + self.optimizer_states * self.largest_shard)
+        return MemoryFigures(parameters=self.parameters, gradients=self.trainable, optimizer_state=state,
+                             saved=sum(saved), transient=max(0, most - sum(saved)),
+                             peak=self.parameters + state + most)
+
+    def longest(self, symbol, limit: int, step: int, start: int) -> int | None:
+        """The longest multiple of ``step`` for ``symbol`` (the sequence length) whose peak is within
+        ``limit`` bytes, None if ``step`` does not fit. The peak grows with the length: from ``start``,
+        doubling or halving to a bracket, then a bisection."""
+        def fits(length: int) -> bool:
+            return self.at({symbol: length}).peak <= limit
+
+        if not fits(step):
+            return None
+        low = high = max(step, start // step * step)
+        while fits(high):
+            low, high = high, high * 2
+        while not fits(low):
+            low = max(step, low // 2 // step * step)
+        while high - low > step:
+            middle = (low + high) // (2 * step) * step
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
