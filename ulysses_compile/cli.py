@@ -57,7 +57,8 @@ def build(spec: str, **factory_kwargs):
     torch.manual_seed(0)
     factory = load_factory(spec)
     try:
-        inspect.signature(factory).bind(**factory_kwargs)
+        if factory_kwargs:
+            inspect.signature(factory).bind(**factory_kwargs)
     except TypeError:
         raise UlyssesError(f"{spec}: the factory takes no {', '.join(factory_kwargs)} argument; "
                            f"give it one (def {factory.__name__}(seq_len=...)) to plan at other lengths") from None
@@ -79,9 +80,9 @@ def _explain(arguments) -> int:
           f"ranks (this process is rank {arguments.rank}), ZeRO stage {arguments.zero_stage} ...", flush=True)
     report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank,
                      zero_stage=arguments.zero_stage, optimizer_states=arguments.optimizer_states,
-                     dynamic=True if arguments.max_memory else None, **kwargs)
+                     dynamic=True if arguments.max_memory is not None else None, **kwargs)
     print(report)
-    if arguments.max_memory:
+    if arguments.max_memory is not None:
         print(_longest(report.memory, arguments.max_memory, arguments.world_size, arguments.seq_len))
     print(f"explain: done in {time.perf_counter() - started:.1f} s")
     return 0
@@ -100,6 +101,9 @@ def parse_bytes(text: str) -> int:
 def _longest(memory, limit: int, world_size: int, seq_len: int | None) -> str:
     """The longest sequence whose estimated step peak fits in ``limit`` bytes per rank: the size symbol
     of value ``seq_len`` (default: the largest) is the length."""
+    if not memory.hints:
+        raise UlyssesError("--max-memory: the trace has no symbolic size; torch specialized the sequence length "
+                           "to its value (TORCH_LOGS=dynamic shows where), so the estimate holds at this length only")
     lengths = [(symbol, value) for symbol, value in memory.hints.items()
                if value == (seq_len or max(memory.hints.values()))]
     if len(lengths) != 1:

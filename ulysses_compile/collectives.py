@@ -295,7 +295,7 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
 class _GatherParameter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, shape, group_name, group_size, param_dtype, reduce_dtype, grad_divisor):
-        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype, grad_divisor or group_size)
+        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype, group_size if grad_divisor is None else grad_divisor)
         shard = shard.to(param_dtype or shard.dtype)
         if not shape:  # a 0-d parameter, held whole
             return shard.clone()

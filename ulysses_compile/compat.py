@@ -55,6 +55,7 @@ __all__ = [
     "symbolic_expr",
     "symbolic_hint",
     "tag_recompute",
+    "aliases_first_input",
     "min_cut_rematerialization_partition",
     "no_graph_cse",
     "run_and_get_code",
@@ -102,6 +103,15 @@ def op_name(node) -> str | None:
     if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
     return target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+
+
+def aliases_first_input(target) -> bool:
+    """Whether a torch op's result shares its first input's storage: a view, or an in-place op's
+    ``self`` returned (schema alias annotations)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return target.is_view or (bool(returns) and returns[0].alias_info is not None)
 
 
 def register_fake_backend() -> None:

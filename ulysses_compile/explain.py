@@ -175,16 +175,17 @@ def _compile(gm, example_inputs, opts: Options, report: Report, graphs_memory: l
     if not graph_report.replicated:
         for site in graph_report.attention_sites:
             report.ulysses_minimum_bytes += _minimum_bytes(site, ctx.world_size, ctx.rank)
-    programs: list[GraphMemory] = []  # this graph's forward program, once traced
+    graph_memory: GraphMemory | None = None  # of this graph's programs, from its forward on
 
     def keep(phase):
         def compile_phase(graph, inputs):
             report.collectives += _collective_calls(graph, phase)
+            nonlocal graph_memory
             if phase == "forward":
-                graphs_memory.append(memory := GraphMemory.of_forward(graph.graph, hints))
-                programs.append(memory)
+                graph_memory = GraphMemory.of_forward(graph.graph, hints)
+                graphs_memory.append(graph_memory)
             else:
-                programs[0].add_backward(graph.graph, hints)
+                graph_memory.add_backward(graph.graph, hints)
             return make_boxed_func(graph.forward)
 
         return compile_phase

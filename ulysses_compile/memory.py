@@ -12,7 +12,7 @@ The step, per rank, on top of the parameters and optimizer state held between st
     forward of graph g:    the saved values of the graphs before g + what g's forward holds at once
     backward of graph g:   the saved values of g and the graphs before it + the gradients made so far
                            + what g's backward holds at once (its saved values excluded)
-    optimizer step:        the gradients + the optimizer's temporaries (two of the largest shard)
+    optimizer step:        the gradients + the optimizer's temporaries (one largest shard per state)
 
 Left out: the allocator's fragmentation and caching (a CUDA caching allocator keeps freed blocks),
 communication buffers of the process group, kernel workspaces (Inductor's fused kernels allocate fewer
@@ -28,54 +28,51 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .compat import c10d_functional, symbol_hints, symbolic_expr
+from .compat import aliases_first_input, c10d_functional, op_name, symbol_hints, symbolic_expr
+from .errors import UlyssesError
 from .runtime import token_loss_chunk_rows
 from .sizes import is_symbolic
 
-_ALIASING = {c10d_functional.wait_tensor.default}
+# Results that are their first input: the collective's buffer it waited for; a fresh tensor viewed
+# in another shape (matmul's result)
+_LONGEST = 2**40  # tokens: a search past it is not searching a length
+_ALIASING = {c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default}
+
+
+def _size(size, hints: dict) -> int | sympy.Expr:
+    """A size as an int or an expression of the size symbols; ``hints`` collects the symbols' values
+    in the call traced."""
+    if not is_symbolic(size):
+        return size
+    expr = symbolic_expr(size)
+    hints.update({symbol: int(value) for symbol, value in symbol_hints(size, expr.free_symbols).items()})
+    return expr
 
 
 def _bytes(value, hints: dict) -> int | sympy.Expr:
-    """A tensor's bytes (of every tensor in a tuple), an expression of the size symbols where its
-    shape is symbolic; ``hints`` collects the symbols' values in the call traced."""
+    """A tensor's bytes (of every tensor in a tuple)."""
     if isinstance(value, (tuple, list)):
         return sum((_bytes(item, hints) for item in value), 0)
     if not isinstance(value, torch.Tensor):
         return 0
-    numel = value.numel()
-    if not is_symbolic(numel):
-        return numel * value.element_size()
-    expr = symbolic_expr(numel)
-    hints.update({symbol: int(value) for symbol, value in symbol_hints(numel, expr.free_symbols).items()})
-    return expr * value.element_size()
+    return _size(value.numel(), hints) * value.element_size()
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    target = node.target
-    if target in _ALIASING:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.is_view:
-        return True
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and bool(node.args)
+    return bool(node.args) and isinstance(node.args[0], fx.Node) and (
+        node.target in _ALIASING or aliases_first_input(node.target))
 
 
 def _workspace(node: fx.Node, hints: dict) -> int | sympy.Expr:
     """Bytes an opaque op allocates inside one call beyond its result: the tiled loss's chunk of logits
     (forward: the logits and their log-probabilities; backward: also the gradients of both, and the
     fp32 gradient of the LM head weight with one chunk's product)."""
-    name = getattr(node.target, "name", lambda: "")()
+    name = op_name(node)
     if name not in ("ulysses_compile::token_loss_sum", "ulysses_compile::token_loss_sum_backward"):
         return 0
     hidden, weight = (arg.meta["val"] for arg in node.args[1:3])
     vocab, width = weight.shape
-    rows = hidden.shape[0]
-    rows = symbolic_expr(rows) if is_symbolic(rows) else rows
-    if is_symbolic(hidden.shape[0]):
-        hints.update({symbol: int(value) for symbol, value in symbol_hints(hidden.shape[0], rows.free_symbols).items()})
-    chunk = sympy.Min(rows, token_loss_chunk_rows(vocab)) * vocab * 4
+    chunk = sympy.Min(_size(hidden.shape[0], hints), token_loss_chunk_rows(vocab)) * vocab * 4
     upcast = 0 if hidden.dtype == torch.float32 else chunk
     if name.endswith("backward"):
         return 3 * chunk + upcast + 2 * vocab * width * 4
@@ -87,22 +84,24 @@ class Timeline:
     """One program's allocations in execution order: ``sizes[i]`` bytes alive from step ``born[i]``
     through step ``freed[i]`` (the last step, for values the program returns)."""
 
-    sizes: list = field(default_factory=list)
+    sizes: list[int | sympy.Expr] = field(default_factory=list)
     born: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
+    storage: dict[str, str] = field(default_factory=dict)  # node name -> the node whose allocation it uses
+    allocated: dict[str, int | sympy.Expr] = field(default_factory=dict)  # node name -> the bytes it allocated
 
     @classmethod
-    def of(cls, graph: fx.Graph, held, hints: dict) -> Timeline:
+    def of(cls, graph: fx.Graph, held: set[fx.Node], hints: dict) -> Timeline:
         """The allocations of ``graph``; placeholders in ``held`` are alive throughout and not counted
-        (the caller counts them), other placeholders (gradients handed in) are allocated at the start."""
+        (the caller counts them), other placeholders (gradients handed in) are allocated at the start.
+        Each item of a multi-output op is its own allocation, made when the op runs; items nobody
+        reads are freed at once."""
         nodes = list(graph.nodes)
         position = {node: index for index, node in enumerate(nodes)}
-        storage: dict[fx.Node, fx.Node] = {}  # node -> the node that allocated its storage
+        storage: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it uses
         for node in nodes:
-            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-            if source is not None and (_aliases_input(node) or (
-                    node.target is operator.getitem and _aliases_input(source))):
-                storage[node] = storage[source]
+            if _aliases_input(node) or (node.target is operator.getitem and storage[node.args[0]] is not node.args[0]):
+                storage[node] = storage[node.args[0]]
             else:
                 storage[node] = node
         last_use = {}
@@ -110,23 +109,32 @@ class Timeline:
             for used in node.all_input_nodes:
                 last_use[storage[used]] = position[node]
         returned = {storage[node] for node in graph.output_node().all_input_nodes}
-        timeline = cls()
+        timeline = cls(storage={node.name: owner.name for node, owner in storage.items()})
         end = len(nodes) - 1
+
+        def allocate(size, born: int, freed: int, owner: fx.Node | None = None) -> None:
+            if size != 0:
+                timeline.sizes.append(size)
+                timeline.born.append(born)
+                timeline.freed.append(freed)
+                if owner is not None:
+                    timeline.allocated[owner.name] = size
+
         for node in nodes:
             if storage[node] is not node or node.op == "output" or node in held:
                 continue
-            if node.target is operator.getitem:  # an item of a multi-output op: counted with the op
-                continue
-            workspace = _workspace(node, hints) if node.op == "call_function" else 0
-            if workspace != 0:
-                timeline.sizes.append(workspace)
-                timeline.born.append(position[node])
-                timeline.freed.append(position[node])
-            size = _bytes(node.meta.get("val"), hints)
-            if size != 0:
-                timeline.sizes.append(size)
-                timeline.born.append(position[node])
-                timeline.freed.append(end if node in returned else last_use.get(node, position[node]))
+            if node.op == "call_function":
+                allocate(_workspace(node, hints), position[node], position[node])
+            freed = end if node in returned else last_use.get(node, position[node])
+            value = node.meta.get("val")
+            if node.target is operator.getitem:  # an item of a multi-output op, made when the op ran
+                allocate(_bytes(value, hints), position[node.args[0]], freed, node)
+            elif isinstance(value, (tuple, list)):
+                read = {user.args[1] for user in node.users if user.target is operator.getitem}
+                allocate(_bytes([item for index, item in enumerate(value) if index not in read], hints),
+                         position[node], position[node])
+            else:
+                allocate(_bytes(value, hints), position[node], freed, node)
         return timeline
 
     def peak(self, sizes: list[int]) -> int:
@@ -159,10 +167,12 @@ class GraphMemory:
         return cls(Timeline.of(graph, set(graph.find_nodes(op="placeholder")), hints))
 
     def add_backward(self, graph: fx.Graph, hints: dict) -> None:
+        """The backward's inputs besides the gradients are the values the forward saved, named as the
+        forward's nodes (AOTAutograd's partitioner keeps the names): each storage counts once, and
+        views of the forward's inputs (parameters, shards) not at all."""
         saved = [node for node in graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
-        # saved values that are forward inputs (primals: parameters, shards) are held by the caller
-        self.saved = sum((_bytes(node.meta.get("val"), hints) for node in saved
-                          if not node.name.startswith("primals")), 0)
+        owners = {self.forward.storage.get(node.name, node.name) for node in saved}
+        self.saved = sum((self.forward.allocated[owner] for owner in owners if owner in self.forward.allocated), 0)
         self.backward = Timeline.of(graph, set(saved), hints)
         self.gradients = sum((_bytes(node.meta.get("val"), hints) for node in graph.output_node().all_input_nodes), 0)
 
@@ -233,9 +243,11 @@ class StepMemory:
             return None
         low = high = max(step, start // step * step)
         while fits(high):
+            if high > _LONGEST:
+                raise UlyssesError(f"the estimated peak does not grow with {symbol}: it is not the sequence length")
             low, high = high, high * 2
         while not fits(low):
-            low = max(step, low // 2 // step * step)
+            high, low = low, max(step, low // 2 // step * step)
         while high - low > step:
             middle = (low + high) // (2 * step) * step
             low, high = (middle, high) if fits(middle) else (low, middle)
