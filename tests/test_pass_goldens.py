@@ -12,7 +12,6 @@ import difflib
 import operator
 import re
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -226,6 +225,33 @@ def test_redistribute_reduces_partial_sums(fake_group):
 +    cross_entropy = reduce_partial / reduce_partial_1""")
 
 
+class GatedMLPBlock(SDPAttention):
+    """Attention, then Llama's gated MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.up = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        h = super().forward(x)
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def test_tile_mlp(fake_group):
+    _, report = _report(fake_group, GatedMLPBlock(), _features(), tile_mlp=True)
+    assert_expected_inline(_changes(report, "tile_mlp"), """\
+-    linear_2 = torch._C._nn.linear(h, sync_grad_2, None)
+-    silu = torch.nn.functional.silu(linear_2)
+-    linear_3 = torch._C._nn.linear(h, sync_grad_3, None)
+-    mul = silu * linear_3
+-    linear_4 = torch._C._nn.linear(mul, sync_grad_4, None)
+-    return (linear_4,)
++    tiled_gated_mlp = ulysses_compile_runtime_tiled_gated_mlp(h, sync_grad_2, sync_grad_3, sync_grad_4, 'silu')
++    return (tiled_gated_mlp,)""")
+
+
 def test_tile_token_loss(fake_group):
     labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
     _, report = _report(fake_group, TokenLoss(), _features(), labels)
@@ -343,7 +369,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 15, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 16, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -10,8 +10,8 @@ gives the estimate at every length (:meth:`StepMemory.at`).
 The step, per rank, on top of the parameters and optimizer state held between steps:
 
     forward of graph g:    the saved values of the graphs before g + what g's forward holds at once
-    backward of graph g:   the saved values of g and the graphs before it + the gradients made so far
-                           + what g's backward holds at once (its saved values excluded)
+    backward of graph g:   the saved values of the graphs before g + the gradients made so far
+                           + what g's backward holds at once (its saved values until their last use)
     optimizer step:        the gradients + the optimizer's temporaries (one largest shard per state)
 
 Left out: the allocator's fragmentation and caching (a CUDA caching allocator keeps freed blocks),
@@ -64,10 +64,19 @@ def _aliases_input(node: fx.Node) -> bool:
 
 
 def _workspace(node: fx.Node, hints: dict) -> int | sympy.Expr:
-    """Bytes an opaque op allocates inside one call beyond its result: the tiled loss's chunk of logits
-    (forward: the logits and their log-probabilities; backward: also the gradients of both, and the
-    fp32 gradient of the LM head weight with one chunk's product)."""
+    """Bytes an opaque op allocates inside one call beyond its result: one chunk's values of the tiled
+    loss (forward: the logits and their log-probabilities; backward: also the gradients of both, and the
+    fp32 gradient of the LM head weight with one chunk's product) and of the tiled MLP (forward: the
+    gate and up projections, the activation and the product; backward: also the gradients of the
+    product, the gate and up projections, and the weights' fp32 gradients with one chunk's product)."""
     name = op_name(node)
+    if name in ("ulysses_compile::tiled_gated_mlp", "ulysses_compile::tiled_gated_mlp_backward"):
+        x, gate_weight = (arg.meta["val"] for arg in node.args[-5:-3])
+        intermediate, width = gate_weight.shape
+        chunk = sympy.Min(_size(x.numel() // width, hints), width) * intermediate * x.element_size()
+        if name.endswith("backward"):
+            return 7 * chunk + 4 * intermediate * width * 4
+        return 4 * chunk
     if name not in ("ulysses_compile::token_loss_sum", "ulysses_compile::token_loss_sum_backward"):
         return 0
     hidden, weight = (arg.meta["val"] for arg in node.args[1:3])
@@ -91,16 +100,21 @@ class Timeline:
     allocated: dict[str, int | sympy.Expr] = field(default_factory=dict)  # node name -> the bytes it allocated
 
     @classmethod
-    def of(cls, graph: fx.Graph, held: set[fx.Node], hints: dict) -> Timeline:
+    def of(cls, graph: fx.Graph, held: set[fx.Node], hints: dict, inputs: dict | None = None) -> Timeline:
         """The allocations of ``graph``; placeholders in ``held`` are alive throughout and not counted
-        (the caller counts them), other placeholders (gradients handed in) are allocated at the start.
-        Each item of a multi-output op is its own allocation, made when the op runs; items nobody
-        reads are freed at once."""
+        (the caller counts them), other placeholders (values handed in) are allocated at the start and
+        freed after their last use: ``inputs`` maps a placeholder's name to (the storage it shares with
+        other placeholders, its bytes). Each item of a multi-output op is its own allocation, made when
+        the op runs; items nobody reads are freed at once."""
         nodes = list(graph.nodes)
         position = {node: index for index, node in enumerate(nodes)}
         storage: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it uses
+        first_of: dict[str, fx.Node] = {}  # an input storage -> its first placeholder
         for node in nodes:
-            if _aliases_input(node) or (node.target is operator.getitem and storage[node.args[0]] is not node.args[0]):
+            if node.op == "placeholder" and inputs and node.name in inputs:
+                storage[node] = first_of.setdefault(inputs[node.name][0], node)
+            elif _aliases_input(node) or (node.target is operator.getitem
+                                          and storage[node.args[0]] is not node.args[0]):
                 storage[node] = storage[node.args[0]]
             else:
                 storage[node] = node
@@ -127,7 +141,9 @@ class Timeline:
                 allocate(_workspace(node, hints), position[node], position[node])
             freed = end if node in returned else last_use.get(node, position[node])
             value = node.meta.get("val")
-            if node.target is operator.getitem:  # an item of a multi-output op, made when the op ran
+            if node.op == "placeholder" and inputs and node.name in inputs:
+                allocate(inputs[node.name][1], position[node], freed)
+            elif node.target is operator.getitem:  # an item of a multi-output op, made when the op ran
                 allocate(_bytes(value, hints), position[node.args[0]], freed, node)
             elif isinstance(value, (tuple, list)):
                 read = {user.args[1] for user in node.users if user.target is operator.getitem}
@@ -168,12 +184,18 @@ class GraphMemory:
 
     def add_backward(self, graph: fx.Graph, hints: dict) -> None:
         """The backward's inputs besides the gradients are the values the forward saved, named as the
-        forward's nodes (AOTAutograd's partitioner keeps the names): each storage counts once, and
-        views of the forward's inputs (parameters, shards) not at all."""
+        forward's nodes (AOTAutograd's partitioner keeps the names): each storage counts once, views
+        of the forward's inputs (parameters, shards) not at all, and each is freed after its last use
+        (AOTAutograd clears the saved tensors as the backward starts and the program drops each after
+        its last use)."""
         saved = [node for node in graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
-        owners = {self.forward.storage.get(node.name, node.name) for node in saved}
-        self.saved = sum((self.forward.allocated[owner] for owner in owners if owner in self.forward.allocated), 0)
-        self.backward = Timeline.of(graph, set(saved), hints)
+        inputs = {}
+        for node in saved:
+            owner = self.forward.storage.get(node.name, node.name)
+            if owner in self.forward.allocated:
+                inputs[node.name] = (owner, self.forward.allocated[owner])
+        self.saved = sum(dict(inputs.values()).values(), 0)
+        self.backward = Timeline.of(graph, {node for node in saved if node.name not in inputs}, hints, inputs)
         self.gradients = sum((_bytes(node.meta.get("val"), hints) for node in graph.output_node().all_input_nodes), 0)
 
 
@@ -226,7 +248,7 @@ class StepMemory:
         for index in reversed(range(len(self.graphs))):
             backward = self.graphs[index].backward
             made = sum(grads[index + 1:])
-            most = max(most, sum(saved[: index + 1]) + made + backward.peak([evaluate(s) for s in backward.sizes]))
+            most = max(most, sum(saved[:index]) + made + backward.peak([evaluate(s) for s in backward.sizes]))
         most = max(most, self.trainable + self.optimizer_states * self.largest_shard)
         return MemoryFigures(parameters=self.parameters, gradients=self.trainable, optimizer_state=state,
                              saved=sum(saved), transient=max(0, most - sum(saved)),

@@ -23,6 +23,7 @@ class Options:
     verify: bool | str = False  # True: each graph's first call against eager; "short": the same on a short sequence
     dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here
     check_inputs: bool = True  # every call, compare the values of the user's inputs across the group
+    tile_mlp: bool | str = "checkpointed"  # gated MLPs in chunks of rows: in checkpointed layers; True: all
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -45,6 +46,8 @@ class Options:
             raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
         if not isinstance(self.check_inputs, bool):
             raise OptionsError(f"option check_inputs={self.check_inputs!r}: expected True or False")
+        if self.tile_mlp not in (False, True, "checkpointed") or not isinstance(self.tile_mlp, (bool, str)):
+            raise OptionsError(f"option tile_mlp={self.tile_mlp!r}: expected 'checkpointed', True or False")
         if self.verify not in (False, True, "short") or not isinstance(self.verify, (bool, str)):
             raise OptionsError(f"option verify={self.verify!r}: expected True, False or 'short'")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):

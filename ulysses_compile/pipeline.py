@@ -7,7 +7,7 @@ into the graph's report. The phases::
     open checkpointed regions, recognize attention forms     (every graph)
     detect attention -> sites                                (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
-    localize ops, redistribute -> gathered and sharded outputs, tile token losses,
+    localize ops, redistribute -> gathered and sharded outputs, tile token losses, tile MLPs,
     average data-parallel gradients, merge ZeRO's gradient reductions, regather parameters,
     all-to-alls around each site, check local shapes, recompute tags
 
@@ -40,6 +40,7 @@ from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .passes.regather_parameters import regather_parameters
+from .passes.tile_mlp import tile_mlp
 from .passes.tile_token_loss import tile_token_loss
 from .report import Collective, GraphReport
 
@@ -83,6 +84,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
     report.notes += tiled.notes
     report.computed_outputs = tiled.computed
+    report.notes += _run(report, tile_mlp, gm, ctx)
     _run(report, average_data_parallel_grads, gm, ctx)
     _run(report, merge_gradient_reductions, gm, ctx)
     _run(report, regather_parameters, gm, ctx)

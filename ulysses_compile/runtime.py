@@ -182,3 +182,89 @@ def _token_loss_ops():
 
     forward.register_autograd(backward, setup_context=save)
     return torch.ops.ulysses_compile
+
+
+# The activations of a gated MLP tiled_gated_mlp runs: name -> (function, its backward kernel)
+GATED_MLP_ACTIVATIONS = {
+    "silu": (torch.nn.functional.silu, lambda grad, x: torch.ops.aten.silu_backward(grad, x)),
+    "gelu": (torch.nn.functional.gelu, lambda grad, x: torch.ops.aten.gelu_backward(grad, x)),
+    "gelu_tanh": (functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+                  lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh")),
+}
+
+
+def tiled_gated_mlp(x, gate_weight, up_weight, down_weight, activation: str):
+    """``linear(act(linear(x, gate_weight)) * linear(x, up_weight), down_weight)`` (Llama's MLP) in
+    chunks of rows, each chunk as many rows as the MLP is wide, as ALST's ``TiledMLP`` cuts them: no
+    ``[rows, intermediate]`` value is whole, in the forward or the backward, and only ``x`` is saved;
+    the backward recomputes each chunk's intermediates (passes/tile_mlp.py). Each chunk runs eager's
+    kernels on its rows; the weights' gradients are the chunks' sums, in fp32."""
+    return _gated_mlp_ops().tiled_gated_mlp(x, gate_weight, up_weight, down_weight, activation)
+
+
+def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
+    return [(start, min(width, rows - start)) for start in range(0, rows, width)]
+
+
+@functools.cache
+def _gated_mlp_ops():
+    """The MLP and its backward as custom ops, for the reasons of :func:`_token_loss_ops`. Hand-written:
+    ALST's ``TiledMLP`` is an autograd function for eager code that a compiled graph cannot hold."""
+
+    @torch.library.custom_op("ulysses_compile::tiled_gated_mlp", mutates_args=())
+    def forward(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
+                activation: str) -> torch.Tensor:
+        act = GATED_MLP_ACTIVATIONS[activation][0]
+        out = x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+        rows, out_rows = x.reshape(-1, x.shape[-1]), out.view(-1, down_weight.shape[0])
+        for start, size in _row_chunks(rows.shape[0], x.shape[-1]):
+            chunk = rows.narrow(0, start, size)
+            hidden = act(torch.nn.functional.linear(chunk, gate_weight)) * torch.nn.functional.linear(chunk, up_weight)
+            out_rows.narrow(0, start, size).copy_(torch.nn.functional.linear(hidden, down_weight))
+        return out
+
+    @forward.register_fake
+    def _(x, gate_weight, up_weight, down_weight, activation):
+        return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+
+    @torch.library.custom_op("ulysses_compile::tiled_gated_mlp_backward", mutates_args=())
+    def backward_op(grad: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                    down_weight: torch.Tensor, activation: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        act, act_backward = GATED_MLP_ACTIVATIONS[activation]
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(x)
+        grad_x_rows = grad_x.view(-1, x.shape[-1])
+        sums = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (gate_weight, up_weight, down_weight)]
+        for start, size in _row_chunks(rows.shape[0], x.shape[-1]):
+            chunk, grad_out = rows.narrow(0, start, size), grad_rows.narrow(0, start, size)
+            gate = torch.nn.functional.linear(chunk, gate_weight)
+            up = torch.nn.functional.linear(chunk, up_weight)
+            activated = act(gate)
+            sums[2] += (grad_out.t() @ (activated * up)).float()
+            grad_hidden = grad_out @ down_weight
+            grad_gate = act_backward(grad_hidden * up, gate)
+            grad_up = grad_hidden * activated
+            grad_x_rows.narrow(0, start, size).copy_(grad_gate @ gate_weight + grad_up @ up_weight)
+            sums[0] += (grad_gate.t() @ chunk).float()
+            sums[1] += (grad_up.t() @ chunk).float()
+        grad_gate_weight, grad_up_weight, grad_down_weight = (
+            total.to(w.dtype) for total, w in zip(sums, (gate_weight, up_weight, down_weight)))
+        return grad_x, grad_gate_weight, grad_up_weight, grad_down_weight
+
+    @backward_op.register_fake
+    def _(grad, x, gate_weight, up_weight, down_weight, activation):
+        return (torch.empty_like(x), torch.empty_like(gate_weight), torch.empty_like(up_weight),
+                torch.empty_like(down_weight))
+
+    def save(ctx, inputs, output):
+        x, gate_weight, up_weight, down_weight, activation = inputs
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
+        ctx.activation = activation
+
+    def backward(ctx, grad):
+        grads = backward_op(grad, *ctx.saved_tensors, ctx.activation)
+        return (*grads, None)
+
+    forward.register_autograd(backward, setup_context=save)
+    return torch.ops.ulysses_compile
