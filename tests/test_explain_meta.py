@@ -159,3 +159,23 @@ def test_a_mask_the_proof_cannot_read_is_computed_when_small_and_else_kept_with_
     assert large.attention_sites[0].mask == f"bool [{SEQ}, {SEQ}]"
     (note,) = [note for note in large.graphs[0].notes if UNPROVEN in note]
     assert "flip" in note
+
+
+def test_a_checkpointed_meta_llama_is_explained_as_with_real_weights():
+    """Gradient checkpointing: the backward replays each region's random-number state (SDPA draws
+    numbers), a real generator state among the fake tensors."""
+    ids, labels = token_batch(seq=32)
+
+    def build():
+        model = tiny_llama(layers=2)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    real = explain(build(), input_ids=ids, labels=labels, world_size=2, use_cache=False)
+    with torch.device("meta"):
+        model = build()
+    meta = explain(model, input_ids=ids.to("meta"), labels=labels.to("meta"), world_size=2, use_cache=False)
+    assert str(meta) == str(real)
+    assert all(site.decision.endswith("in a checkpointed region (recomputed in the backward)")
+               for site in meta.attention_sites) and len(meta.attention_sites) == 2
+    assert meta.totals()[("backward", "all_to_all")][0] == 4 * 2  # recomputed forward all-to-alls, and the backward's

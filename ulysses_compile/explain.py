@@ -88,7 +88,8 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     graphs_memory: list[GraphMemory] = []
     hints: dict = {}
     model = copy.deepcopy(model)
-    fake_mode = FakeTensorMode() if _on_meta(model, args, kwargs) else None
+    # a checkpointed region that draws random numbers (SDPA) replays the real generator state in the backward
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if _on_meta(model, args, kwargs) else None
     if fake_mode is not None:
         args, kwargs = _to_fake(model, (args, kwargs), fake_mode)
     torch.compiler.reset()
