@@ -64,18 +64,18 @@ def _aliases_input(node: fx.Node) -> bool:
 
 
 def _workspace(node: fx.Node, hints: dict) -> int | sympy.Expr:
-    """Bytes an opaque op allocates inside one call beyond its result: one chunk's values of the tiled
-    loss (forward: the logits and their log-probabilities; backward: also the gradients of both, and the
-    fp32 gradient of the LM head weight with one chunk's product) and of the tiled MLP (forward: the
-    gate and up projections, the activation and the product; backward: also the gradients of the
-    product, the gate and up projections, and the weights' fp32 gradients with one chunk's product)."""
+    """Bytes an opaque op allocates inside one call beyond its results: one chunk's values of the tiled
+    loss (forward: the logits and their log-probabilities; backward: also the gradients of both) and of
+    the tiled MLP (forward: the gate and up projections, the activation and the product; backward: also
+    the gradients of the product and of the gate and up projections), and in the backward the weights'
+    gradient sums."""
     name = op_name(node)
     if name in ("ulysses_compile::tiled_gated_mlp", "ulysses_compile::tiled_gated_mlp_backward"):
         x, gate_weight = (arg.meta["val"] for arg in node.args[-5:-3])
         intermediate, width = gate_weight.shape
         chunk = sympy.Min(_size(x.numel() // width, hints), width) * intermediate * x.element_size()
         if name.endswith("backward"):
-            return 7 * chunk + 4 * intermediate * width * 4
+            return 7 * chunk + _weight_gradient_workspace(gate_weight, 3)
         return 4 * chunk
     if name not in ("ulysses_compile::token_loss_sum", "ulysses_compile::token_loss_sum_backward"):
         return 0
@@ -84,8 +84,15 @@ def _workspace(node: fx.Node, hints: dict) -> int | sympy.Expr:
     chunk = sympy.Min(_size(hidden.shape[0], hints), token_loss_chunk_rows(vocab)) * vocab * 4
     upcast = 0 if hidden.dtype == torch.float32 else chunk
     if name.endswith("backward"):
-        return 3 * chunk + upcast + 2 * vocab * width * 4
+        return 3 * chunk + upcast + _weight_gradient_workspace(weight, 1)
     return 2 * chunk + upcast
+
+
+def _weight_gradient_workspace(weight, count: int) -> int:
+    """One chunk's fp32 product for a weight's gradient, and the fp32 sums of ``count`` weights' gradients
+    where they are not the op's results (weights in another dtype)."""
+    fp32 = weight.numel() * 4
+    return fp32 + (0 if weight.dtype == torch.float32 else count * fp32)
 
 
 @dataclass
