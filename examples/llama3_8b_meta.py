@@ -24,4 +24,4 @@ def make(seq_len: int = SEQ_LEN):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
