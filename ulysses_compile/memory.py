@@ -3,8 +3,8 @@
 Each Dynamo graph's forward and backward programs are walked in order as eager execution runs them:
 every op's result is allocated when the op runs (a view, ``wait_tensor`` or an in-place op's result
 shares its input's storage) and freed after the last use of its storage, unless the program returns
-it. The forward returns the values saved for the backward, which stay alive until that graph's
-backward has run. Sizes are sympy expressions where the sequence length is symbolic, so one trace
+it. The forward returns the values saved for the backward, which stay alive until their last use in
+that graph's backward. Sizes are sympy expressions where the sequence length is symbolic, so one trace
 gives the estimate at every length (:meth:`StepMemory.at`).
 
 The step, per rank, on top of the parameters and optimizer state held between steps:
@@ -33,9 +33,9 @@ from .errors import UlyssesError
 from .runtime import token_loss_chunk_rows
 from .sizes import is_symbolic
 
+_LONGEST = 2**40  # tokens: a search past it is not searching a length
 # Results that are their first input: the collective's buffer it waited for; a fresh tensor viewed
 # in another shape (matmul's result)
-_LONGEST = 2**40  # tokens: a search past it is not searching a length
 _ALIASING = {c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default}
 
 
