@@ -262,7 +262,9 @@ def short_verify_checks_against_eager(rank, world_size):
         torch.compile(tiny_llama(layers=1), backend="ulysses", dynamic=True, options=options)(**kwargs)
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+# slow: about a minute on two ranks; test_options.py checks verify="short" in one process
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_verify_short_checks_a_short_sequence(world_size):
     run_ranks(short_verify_checks_against_eager, world_size)
 
@@ -356,6 +358,7 @@ def probes_equal_to_eager(rank, world_size, lengths):
         compare_model(rank, model, reference, {f"{name} S={seq} output": (got, want)})
 
 
+@pytest.mark.slow  # half a minute; lengths P does not divide run in test_sequences.py and test_properties.py
 def test_op_probes_equal_to_eager_at_an_uneven_length():
     run_ranks(probes_equal_to_eager, 2, (15,))
 
