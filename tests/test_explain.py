@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import tiny_llama, token_batch
-from ulysses_compile import DivisibilityError, UlyssesError, explain
+from ulysses_compile import DivisibilityError, UlyssesError, cli, explain
 from ulysses_compile.sharding import block_sizes
 
 
@@ -145,7 +145,7 @@ def _cli(*arguments, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, timeout=600)
 
 
-def test_cli_explain_on_a_model_file(tmp_path):
+def test_cli_explain_on_a_model_file(tmp_path, capsys):
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
     trace = tmp_path / "trace"
     result = _cli("explain", f"{tmp_path}/model.py:make", "--world-size", "4", env={"TORCH_TRACE": str(trace)})
@@ -155,21 +155,23 @@ def test_cli_explain_on_a_model_file(tmp_path):
     logged = "".join(path.read_text() for path in trace.iterdir())  # tlparse's input
     assert "ulysses_compile_insert_all_to_all" in logged and "ulysses_compile_report" in logged
 
-    usage = _cli("--help")
-    assert usage.returncode == 0 and "verify" in usage.stdout
-    missing = _cli("explain", f"{tmp_path}/model.py:build", "--world-size", "4")
-    assert missing.returncode == 2 and "defines no function 'build'" in missing.stderr
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["--help"])
+    assert usage.value.code == 0 and "verify" in capsys.readouterr().out
+    assert cli.main(["explain", f"{tmp_path}/model.py:build", "--world-size", "4"]) == 2
+    assert "defines no function 'build'" in capsys.readouterr().err
 
 
-def test_cli_explain_on_the_moe_example():
+def test_cli_explain_on_the_moe_example(capsys):
     """A factory file with a dataclass config (``examples/moe_gpt.py``): its MoE blocks gather nothing."""
     example = Path(__file__).resolve().parents[1] / "examples" / "moe_gpt.py"
-    result = _cli("explain", f"{example}:make", "--world-size", "2")
-    assert result.returncode == 0, result.stderr
-    assert "attention sites: 2" in result.stdout and "fallbacks: 0" in result.stdout, result.stdout
+    assert cli.main(["explain", f"{example}:make", "--world-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention sites: 2" in printed and "fallbacks: 0" in printed, printed
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # verify=True on two ranks stays in the default tier (test_multirank); this is its CLI
 def test_cli_verify_passes_a_correct_program(tmp_path):
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
     good = _cli("verify", f"{tmp_path}/model.py:make", "--world-size", "2")

@@ -78,14 +78,14 @@ from models import tiny_llama, token_batch
 def make(seq_len=32):
     with torch.device("meta"):
         model = tiny_llama(layers=1)
-    ids, labels = token_batch(seq=seq_len)  # two sequences: the CLI tells the length by its value
+    ids, labels = token_batch(batch=1, seq=seq_len)
     return model, (), {"input_ids": ids.to("meta"), "labels": labels.to("meta")}
 """
 
 
 def test_the_cli_answers_the_longest_sequence_that_fits(tmp_path, capsys):
     (tmp_path / "factory.py").write_text(FACTORY)
-    limit = _figures(3, seq=96, batch=2).at().peak
+    limit = _figures(3, seq=96).at().peak
     assert cli.main(["explain", f"{tmp_path}/factory.py:make", "-P", "2", "--zero-stage", "3", "--seq-len", "48",
                      "--max-memory", str(limit)]) == 0
     printed = capsys.readouterr().out

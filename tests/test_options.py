@@ -67,6 +67,30 @@ def test_one_rank_runs_plainly_with_an_info_line(fake_group, caplog):
     assert len(lines) == 1 and "the process group has 1 rank" in lines[0]
 
 
+def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_group):
+    """At P = 1 the boolean mask transformers builds from positions becomes ``is_causal=True`` (SDPA's
+    faster causal kernel), as at any P; loss and every gradient equal eager."""
+    import copy
+
+    from graphs import rewritten_graphs
+    from models import tiny_llama, token_batch
+    from multirank import compare_model
+
+    fake_group(1)
+    eager = tiny_llama()
+    ids, labels = token_batch()
+    graph, = rewritten_graphs(copy.deepcopy(eager), (), {"input_ids": ids, "labels": labels})
+    sdpa = [n for n in graph.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+    assert len(sdpa) == 2 and all(n.kwargs.get("is_causal") and n.kwargs.get("attn_mask") is None for n in sdpa)
+    compiled_model = copy.deepcopy(eager)
+    got = torch.compile(compiled_model, backend="ulysses", options={"compiler": "aot_eager"})(
+        input_ids=ids, labels=labels)
+    want = eager(input_ids=ids, labels=labels)
+    got.loss.backward()
+    want.loss.backward()
+    compare_model(0, compiled_model, eager, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
 def test_by_name_without_import_and_without_process_group(tmp_path):
     """A fresh interpreter that never imports ulysses_compile: the entry point finds the backend."""
     script = tmp_path / "plain.py"

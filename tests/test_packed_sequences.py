@@ -62,8 +62,8 @@ def packed_batch_is_parallel_and_exact(rank, world_size, attention):
 # At 2 ranks the SDPA and flash cases are in the slow tier: the same code at 4 ranks is in the default one.
 CASES = [pytest.param(2, "sdpa", id="P2-sdpa", marks=pytest.mark.slow), pytest.param(4, "sdpa", id="P4-sdpa"),
          pytest.param(2, "eager", id="P2-eager"),
-         pytest.param(2, "flash_attention_2", id="P2-flash_attention_2", marks=pytest.mark.slow),
-         pytest.param(4, "flash_attention_2", id="P4-flash_attention_2")]
+         pytest.param(2, "flash_attention_2", id="P2-flash_attention_2"),
+         pytest.param(4, "flash_attention_2", id="P4-flash_attention_2", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("world_size,attention", CASES)

@@ -229,7 +229,7 @@ def test_random_configs_equal_eager_in_one_process():
 
 @pytest.mark.multirank
 def test_random_configs_equal_eager_at_P2():
-    check_random_configs(2, pool_size=2, max_examples=10)
+    check_random_configs(2, pool_size=2, max_examples=8)
 
 
 @pytest.mark.multirank
@@ -240,7 +240,7 @@ def test_random_configs_equal_eager_at_P3():
 
 @pytest.mark.multirank
 def test_random_configs_equal_eager_at_P4():
-    check_random_configs(4, pool_size=4, max_examples=6)
+    check_random_configs(4, pool_size=4, max_examples=4)
 
 
 def chain_equal_to_eager(rank, world_size, config):

@@ -200,7 +200,7 @@ def dynamic_lengths_equal_to_eager(rank, world_size):
     model = tiny_llama(layers=1)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"}, fullgraph=True)
-    for seq in (32, 48, 64, 40, 56, 31, 45):
+    for seq in (32, 48, 40, 31, 45):
         model.zero_grad()
         reference.zero_grad()
         ids, labels = token_batch(seq=seq)

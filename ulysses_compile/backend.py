@@ -23,7 +23,7 @@ from .boundary import leave_sharded, refuse_dtensor_inputs
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
-from .pipeline import run_pipeline
+from .pipeline import one_rank_rewrites, run_pipeline
 from .report import GraphReport
 from .verify import verified, verified_short
 
@@ -37,10 +37,12 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     data_parallel = _data_parallel(opts)
     if group is None or (group.size() == 1 and data_parallel is None):
         log.info(
-            "ulysses_compile: %s; compiling with %s as torch.compile would",
+            "ulysses_compile: %s; compiling with %s as torch.compile would, causal masks recognized",
             "torch.distributed is not initialized" if group is None else "the process group has 1 rank",
             opts.compiler,
         )
+        for note in one_rank_rewrites(gm):
+            log.info("ulysses_compile: %s", note)
         return inner_compile(gm, example_inputs, opts.compiler, mode)
     _check_one_device(gm, example_inputs)
     refuse_dtensor_inputs(input_names(gm), example_inputs)

@@ -51,6 +51,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
     report = GraphReport(captured=gm.code)
     if ctx.world_size == 1:
         report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
+        report.notes += _run(report, recognize_causal_mask, gm, ctx)
     else:
         report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
         report.rejected_attention += _run(report, decompose_multi_head_attention, gm, ctx)
@@ -74,6 +75,14 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         log.info("ulysses_compile: fallback %s", fallback)
     _dump(report, ctx)
     return report
+
+
+def one_rank_rewrites(gm: fx.GraphModule) -> list[str]:
+    """The rewrites a graph compiled for one rank without a report still gets: those exact at any P
+    that make it faster (a causal mask built from positions becomes SDPA's causal kernel)."""
+    notes = recognize_causal_mask(gm, None)
+    gm.recompile()
+    return notes
 
 
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
