@@ -265,9 +265,10 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
 def _why_gathered(placement, shape: list, ctx) -> str:
     """Why a sequence-sharded output is gathered in the graph, or "" when it leaves sharded
     (``boundary.py``)."""
+    if ctx.graph_break:
+        return f"it crosses a graph break ({ctx.graph_break}); the next graph slices it again"
     if not ctx.outputs_to_caller:
-        return ("it crosses a graph break, or returns into code that runs before the caller reads it; the next "
-                "graph slices it again")
+        return "it returns into code that runs before the caller reads it; the next graph slices it again"
     if ctx.options.outputs == "gather":
         return 'option outputs="gather" (the default, outputs="lazy", gathers it when read)'
     dim, outer, inner = seq_factors(placement)

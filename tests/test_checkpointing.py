@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -67,6 +68,22 @@ def test_checkpointed_attention_is_parallelized_and_recomputed(make):
     assert totals[("backward", "all_to_all")][0] == 4 * LAYERS
     unchecked = explain(make(enabled=False)[0], *args, world_size=2, **kwargs)
     assert report.memory.at().saved < unchecked.memory.at().saved / 2
+
+
+def test_the_use_cache_graph_break_under_checkpointing_is_reported_with_its_fix(caplog):
+    """transformers' use_cache warning under gradient checkpointing breaks the graph (Dynamo does not
+    trace ``logger.warning_once``): the decoders' output is gathered and the LM head and loss run on the
+    whole sequence, replicated. It must not be silent; with ``use_cache=False`` it does not happen."""
+    model, args, kwargs = checkpointed_llama()
+    kwargs.pop("use_cache")
+    with caplog.at_level(logging.WARNING, logger="ulysses_compile"):
+        report = explain(model, *args, world_size=2, **kwargs)
+    assert len(report.attention_sites) == LAYERS and report.graphs[-1].replicated == "no attention in this graph"
+    warned = [r.getMessage() for r in caplog.records if "gathered on every rank" in r.getMessage()]
+    assert len(warned) == 1 and "use_cache=False" in warned[0], warned
+    assert warned[0].removeprefix("ulysses_compile: ") in report.graphs[0].notes
+    whole = explain(model, *args, world_size=2, use_cache=False, **kwargs)
+    assert len(whole.graphs) == 1 and not any("gathered on every rank" in note for note in whole.graphs[0].notes)
 
 
 class Block(nn.Module):

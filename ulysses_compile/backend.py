@@ -13,6 +13,7 @@ from .compat import (
     CompileContext,
     aot_autograd,
     compile_fx,
+    graph_break_reason,
     list_mode_options,
     make_boxed_func,
     min_cut_rematerialization_partition,
@@ -78,6 +79,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
         data_parallel=_data_parallel(opts),
         outputs_to_caller=returns_to_compile_caller(gm),
+        graph_break=graph_break_reason(gm),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

@@ -43,6 +43,7 @@ __all__ = [
     "dynamo_counters",
     "register_fake_backend",
     "returns_to_compile_caller",
+    "graph_break_reason",
     "make_boxed_func",
     "op_name",
     "parameter_slots",
@@ -186,6 +187,15 @@ def parameter_slots(module: torch.nn.Module) -> dict:
     """A module's own parameter dict, name -> parameter, written in place (registering a tensor that
     ``nn.Module.__setattr__`` would refuse, such as a DTensor in place of a Parameter)."""
     return module._parameters
+
+
+def graph_break_reason(gm) -> str:
+    """The first line of why Dynamo ended the graph being compiled at a graph break; "" where it ended at
+    a return."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return ""
+    return reason.reason.strip().splitlines()[0] if reason.reason.strip() else "a graph break"
 
 
 def returns_to_compile_caller(gm) -> bool:

@@ -20,6 +20,7 @@ class PassContext:
     parameters: frozenset[fx.Node]  # placeholders holding parameters, buffers and ZeRO shards
     data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
     outputs_to_caller: bool = False  # the graph's outputs go straight to the torch.compile caller (compat)
+    graph_break: str = ""  # why Dynamo ended the graph at a graph break, "" at a return (compat)
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:

@@ -33,6 +33,7 @@ from .errors import UlyssesError
 from .runtime import token_loss_chunk_rows
 from .sizes import is_symbolic
 
+_LARGEST = 5  # allocations listed at the peak
 _LONGEST = 2**40  # tokens: a search past it is not searching a length
 # Results that are their first input: the collective's buffer it waited for; a fresh tensor viewed
 # in another shape (matmul's result)
@@ -103,6 +104,7 @@ class Timeline:
     sizes: list[int | sympy.Expr] = field(default_factory=list)
     born: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # the node that allocated each (a workspace: "op (workspace)")
     storage: dict[str, str] = field(default_factory=dict)  # node name -> the node whose allocation it uses
     allocated: dict[str, int | sympy.Expr] = field(default_factory=dict)  # node name -> the bytes it allocated
 
@@ -133,11 +135,12 @@ class Timeline:
         timeline = cls(storage={node.name: owner.name for node, owner in storage.items()})
         end = len(nodes) - 1
 
-        def allocate(size, born: int, freed: int, owner: fx.Node | None = None) -> None:
+        def allocate(size, born: int, freed: int, name: str, owner: fx.Node | None = None) -> None:
             if size != 0:
                 timeline.sizes.append(size)
                 timeline.born.append(born)
                 timeline.freed.append(freed)
+                timeline.names.append(name)
                 if owner is not None:
                     timeline.allocated[owner.name] = size
 
@@ -145,32 +148,43 @@ class Timeline:
             if storage[node] is not node or node.op == "output" or node in held:
                 continue
             if node.op == "call_function":
-                allocate(_workspace(node, hints), position[node], position[node])
+                allocate(_workspace(node, hints), position[node], position[node], f"{node.name} (workspace)")
             freed = end if node in returned else last_use.get(node, position[node])
             value = node.meta.get("val")
             if node.op == "placeholder" and inputs and node.name in inputs:
-                allocate(inputs[node.name][1], position[node], freed)
+                allocate(inputs[node.name][1], position[node], freed, node.name)
             elif node.target is operator.getitem:  # an item of a multi-output op, made when the op ran
-                allocate(_bytes(value, hints), position[node.args[0]], freed, node)
+                allocate(_bytes(value, hints), position[node.args[0]], freed, node.name, node)
             elif isinstance(value, (tuple, list)):
                 read = {user.args[1] for user in node.users if user.target is operator.getitem}
                 allocate(_bytes([item for index, item in enumerate(value) if index not in read], hints),
-                         position[node], position[node])
+                         position[node], position[node], node.name)
             else:
-                allocate(_bytes(value, hints), position[node], freed, node)
+                allocate(_bytes(value, hints), position[node], freed, node.name, node)
         return timeline
 
     def peak(self, sizes: list[int]) -> int:
         """The most bytes alive at once, with each allocation's size evaluated (``sizes``)."""
+        return self.peak_step(sizes)[0]
+
+    def peak_step(self, sizes: list[int]) -> tuple[int, int]:
+        """The most bytes alive at once and the first step at which they are."""
         change = [0] * (max(self.freed, default=0) + 2)
         for size, born, freed in zip(sizes, self.born, self.freed):
             change[born] += size
             change[freed + 1] -= size
-        alive, most = 0, 0
-        for delta in change:
+        alive, most, at = 0, 0, 0
+        for step, delta in enumerate(change):
             alive += delta
-            most = max(most, alive)
-        return most
+            if alive > most:
+                most, at = alive, step
+        return most, at
+
+    def alive_at(self, step: int, sizes: list[int]) -> list[tuple[str, int]]:
+        """The allocations alive at ``step``, largest first."""
+        alive = [(name, size) for name, size, born, freed in zip(self.names, sizes, self.born, self.freed)
+                 if born <= step <= freed]
+        return sorted(alive, key=lambda item: -item[1])
 
 
 @dataclass
@@ -216,12 +230,24 @@ class MemoryFigures:
     saved: int  # activations (and ZeRO 1-2's gathered parameters) kept for the backward
     transient: int  # the most alive at once above parameters, optimizer state and saved values
     peak: int  # parameters + optimizer state + the step's most
+    peak_in: str = field(default="", compare=False)  # the program and its node where the step's most is
+    largest_at_peak: list = field(default_factory=list, compare=False)  # (what, bytes), largest first
 
     def __str__(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("saved for the backward", self.saved),
                 ("largest transient", self.transient), ("peak", self.peak)]
-        return "\n".join(f"  {name:<24} {_mib(size):>12}" for name, size in rows)
+        lines = [f"  {name:<24} {_mib(size):>12}" for name, size in rows]
+        if self.peak_in:
+            lines.append(f"  the peak is in {self.peak_in}; largest then: "
+                         + ", ".join(f"{what} {_mib(size)}" for what, size in self.largest_at_peak))
+        return "\n".join(lines)
+
+
+def _at(timeline: Timeline, step: int) -> str:
+    """The node whose allocation reaches the peak at ``step``."""
+    born_then = [name for name, born in zip(timeline.names, timeline.born) if born == step]
+    return f"at {born_then[-1]}" if born_then else f"step {step}"
 
 
 def _mib(size: int) -> str:
@@ -249,17 +275,26 @@ class StepMemory:
         state = self.optimizer_states * self.trainable
         saved = [evaluate(graph.saved) for graph in self.graphs]
         grads = [evaluate(graph.gradients) for graph in self.graphs]
-        most = 0
+        most, peak_in, largest = self.trainable + self.optimizer_states * self.largest_shard, "the optimizer step", []
+
+        def consider(held: list[tuple[str, int]], timeline: Timeline, program: str) -> None:
+            nonlocal most, peak_in, largest
+            sizes = [evaluate(size) for size in timeline.sizes]
+            alive, step = timeline.peak_step(sizes)
+            total = sum(size for _, size in held) + alive
+            if total > most:
+                most, peak_in = total, f"{program}, {_at(timeline, step)}"
+                largest = sorted([*held, *timeline.alive_at(step, sizes)], key=lambda item: -item[1])[:_LARGEST]
+
         for index, graph in enumerate(self.graphs):
-            most = max(most, sum(saved[:index]) + graph.forward.peak([evaluate(s) for s in graph.forward.sizes]))
+            consider([("saved by earlier graphs", sum(saved[:index]))], graph.forward, f"the forward of graph {index}")
         for index in reversed(range(len(self.graphs))):
-            backward = self.graphs[index].backward
-            made = sum(grads[index + 1:])
-            most = max(most, sum(saved[:index]) + made + backward.peak([evaluate(s) for s in backward.sizes]))
-        most = max(most, self.trainable + self.optimizer_states * self.largest_shard)
+            held = [("saved by earlier graphs", sum(saved[:index])), ("gradients of later graphs", sum(grads[index + 1:]))]
+            consider(held, self.graphs[index].backward, f"the backward of graph {index}")
         return MemoryFigures(parameters=self.parameters, gradients=self.trainable, optimizer_state=state,
                              saved=sum(saved), transient=max(0, most - sum(saved)),
-                             peak=self.parameters + state + most)
+                             peak=self.parameters + state + most, peak_in=peak_in,
+                             largest_at_peak=[item for item in largest if item[1]])
 
     def longest(self, symbol, limit: int, step: int, start: int) -> int | None:
         """The longest multiple of ``step`` for ``symbol`` (the sequence length) whose peak is within

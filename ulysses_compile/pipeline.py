@@ -90,6 +90,9 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
+    if outputs.gathered and not ctx.outputs_to_caller:
+        report.notes.append(_gathered_at_a_graph_break(ctx.graph_break))
+        log.warning("ulysses_compile: %s", report.notes[-1])
     tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
     report.notes += tiled.notes
     report.computed_outputs = tiled.computed
@@ -100,6 +103,19 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, insert_all_to_all, gm, ctx, sites)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
+
+
+def _gathered_at_a_graph_break(reason: str) -> str:
+    """What a graph break after the attention costs, and how to remove the break. ``reason``: Dynamo's,
+    where this graph ends at the break itself; a graph that returns into a frame Dynamo resumes after a
+    break deeper in the model (transformers' decoder layers) has none."""
+    where = f"it ends at a graph break: {reason}" if reason else "the code it returns to runs on before the caller reads them, as after a graph break"
+    return (f"this graph's sequence-sharded outputs are gathered on every rank ({where}), and a graph after it "
+            f"that holds no attention (an LM head and its loss: [S, vocab] logits) runs on the whole sequence on "
+            f"every rank. Remove the graph break (TORCH_LOGS=graph_breaks shows it). A logging call breaks the "
+            f"graph: transformers warns about use_cache under gradient checkpointing, so call the model with "
+            f"use_cache=False (or set model.config.use_cache = False); for other loggers add the method to "
+            f"torch._dynamo.config.ignore_logging_functions")
 
 
 def _dump(report: GraphReport, ctx: PassContext) -> None:
