@@ -18,7 +18,10 @@ after a training step with AdamW:
   ``VmHWM``, reset through ``/proc/self/clear_refs``). glibc's allocator is told to return every
   block over 64 KiB at once (``MALLOC_MMAP_THRESHOLD_``), so freed tensors do not linger in it;
 - ``explain``'s estimate of that step peak (its peak less the parameters and optimizer state), from
-  the same model planned at P ranks in one process, and its error against the measured peak.
+  the same model planned at P ranks in one process, and its error against the measured peak;
+- the collectives one step calls on the process group, each a meeting of the ranks (rank 0's, counted
+  by torch's profiler in one more step, after the compiler's bucketing: ``--compiler inductor``
+  buckets ZeRO's all-gathers and reduce-scatters).
 
 "1 device" is the same step compiled for one rank (a group of one, which the backend compiles as its
 inner compiler would). Every row shows the largest figure over the ranks.
@@ -93,7 +96,17 @@ def measured_step(model, optimizer, inputs) -> int:
     return peak_bytes(step)
 
 
-def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int]:
+def collective_calls(model, optimizer, inputs) -> int:
+    """The collectives one training step calls on the process group (each a meeting of the ranks), counted
+    by torch's profiler as they run (after the compiler's bucketing)."""
+    optimizer.zero_grad()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(**inputs).loss.backward()
+        optimizer.step()
+    return sum(1 for event in profile.events() if event.name.startswith("c10d::"))
+
+
+def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int, int]:
     inputs = batch(seq_len, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(**inputs).loss.backward()  # compiles; creates the gradients and the optimizer state
@@ -101,7 +114,7 @@ def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int]:
     peak = measured_step(model, optimizer, inputs)
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
-    return _bytes(params), _bytes(p.grad for p in params), _bytes(state), peak
+    return _bytes(params), _bytes(p.grad for p in params), _bytes(state), peak, collective_calls(model, optimizer, inputs)
 
 
 def run(rank: int, world_size: int, port: int, args) -> None:
@@ -124,18 +137,21 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     every_rank = gather_objects(rows, dist.group.WORLD)
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
+        calls = {name: every_rank[0][name][4] for name in rows}
         single = worst["1 device"]
         print(f"{args.model} (vocab {args.vocab}), P = {world_size}, S = {args.seq_len}, compiler {args.compiler}, outputs {args.outputs}"
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
         print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
-                                                                  "step peak")) + f"{'explain estimate':>30}")
+                                                                  "step peak")) + f"{'explain estimate':>30}"
+              + f"{'collectives':>13}")
         for name, values in worst.items():
             estimate = args.estimates.get(name)
             print(f"{name:>9}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
                                          for value, one in zip(values, single))
-                  + (f"{estimate / 2**20:>12.1f} MiB ({estimate / values[3] - 1:+.1%})" if estimate else ""))
+                  + (f"{estimate / 2**20:>12.1f} MiB ({estimate / values[3] - 1:+.1%})" if estimate else f"{'':>30}")
+                  + f"{calls[name]:>13}")
     dist.destroy_process_group()
 
 

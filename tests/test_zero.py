@@ -91,6 +91,45 @@ def test_zero_stages_train_like_eager(world_size):
     run_ranks(zero_stages_train_like_eager, world_size)
 
 
+def inductor_buckets_each_layers_collectives(rank, world_size):
+    """ZeRO-3 through Inductor: a layer's parameter all-gathers are one collective (forward, and again
+    in the backward), its gradients' reduce-scatters another; loss, logits and every gradient equal eager."""
+    import re
+
+    from multirank import compare_model
+    from ulysses_compile.compat import run_and_get_code
+
+    layers = 2
+    model = tiny_llama(layers=layers)
+    reference = copy.deepcopy(model)
+    compiled = parallelize(model, zero_stage=3, compiler="inductor")
+    ids, labels = token_batch(seq=32)
+
+    def step():
+        result = compiled(input_ids=ids, labels=labels, use_cache=False)
+        result.loss.backward()
+        return result
+
+    got, (forward, backward) = run_and_get_code(step)
+
+    def calls(code, op):
+        return len(re.findall(rf"_c10d_functional\.{op}(_out)?\.default\(", code))
+
+    parameters = len(list(model.parameters()))
+    gathers, regathers = calls(forward, "all_gather_into_tensor"), calls(backward, "all_gather_into_tensor")
+    reductions = calls(backward, "reduce_scatter_tensor")
+    assert 1 <= gathers <= layers + 1 and 1 <= regathers <= layers + 1 and 1 <= reductions <= layers + 1, (
+        f"{parameters} parameters: {gathers} all-gathers, {regathers} in the backward, {reductions} reduce-scatters")
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+def test_inductor_buckets_each_layers_zero_collectives():
+    run_ranks(inductor_buckets_each_layers_collectives, 2)
+
+
 @pytest.mark.multirank
 def test_tied_weights_and_data_parallel_stage_0_train_like_eager():
     run_ranks(tied_and_data_parallel_stages, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import torch
@@ -21,6 +22,7 @@ from .compat import (
     returns_to_compile_caller,
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
+from .collectives import gather_parameter
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -106,14 +108,37 @@ def _data_parallel(opts: Options) -> tuple[str, int] | None:
     return (group.group_name, group.size()) if group is not None and group.size() > 1 else None
 
 
-# One all-reduce (and one reduce-scatter) per bucket of gradients instead of one per parameter; the sums
-# are the same elementwise. All-gathers stay one per parameter so ZeRO-3 frees each after its use.
-BUCKETING = {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all"}
+BUCKET_MIB = 25.0  # DDP's bucket, for ZeRO's collectives in a graph without attention
+
+
+def bucketing(gm: fx.GraphModule) -> dict:
+    """Inductor's bucketing of collectives that run one after another in graph order (the same on every
+    rank): the gradients' all-reduces in one bucket (every gradient is kept anyway); ZeRO's parameter
+    all-gathers and gradient reduce-scatters in buckets of one layer's gathered parameters (the graph's
+    over its attention sites, a decoder layer each), as FSDP gathers and reduces a wrapped layer at once.
+    A full gradient or gathered parameter then lives until its bucket's collective, not the whole step.
+    The results are the same elementwise; the ranks meet fewer times."""
+    report = gm.meta.get("ulysses_report")
+    sites = len(report.attention_sites) if report is not None else 0
+    gathered = sum(_bytes(node) for node in gm.graph.find_nodes(op="call_function", target=gather_parameter))
+    layer = functools.partial(_constant, gathered / sites / 2**20 if sites and gathered else BUCKET_MIB)
+    return {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all",
+            "bucket_reduce_scatters_fx_bucket_size_determinator": layer,
+            "bucket_all_gathers_fx": "only_fsdp", "bucket_all_gathers_fx_bucket_size_determinator": layer}
+
+
+def _constant(value: float, index: int) -> float:
+    return value
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value.numel() * value.element_size()
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
     if compiler == "inductor":
-        patches = {**BUCKETING, **(list_mode_options(mode) if mode else {})}
+        patches = {**bucketing(gm), **(list_mode_options(mode) if mode else {})}
         with no_graph_cse():
             return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":
