@@ -276,7 +276,8 @@ def communication(world_size: int, seq_len: int) -> dict:
     from ulysses_compile import explain
 
     if world_size == 1:
-        return {"all_to_all_calls": 0, "all_to_all_bytes": 0, "ulysses_minimum_bytes": 0, "formula_calls": 0}
+        return {"all_to_all_calls": 0, "all_to_all_bytes": 0, "ulysses_minimum_bytes": 0, "formula_calls": 0,
+                "meetings": {"forward": 0, "backward": 0}, "all_to_all_by_phase": {"forward": 0, "backward": 0}}
     ids = token_ids(seq_len)
     model = build_model(seq_len)
     report = explain(model, input_ids=ids, labels=ids, use_cache=False, world_size=world_size)
