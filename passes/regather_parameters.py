@@ -9,7 +9,10 @@ Before (AOTAutograd would save ``weight``, the full parameter, for the backward)
 After: the same graph, the gather tagged ``recompute = MUST_RECOMPUTE``. AOTAutograd copies the tag to
 the all-gather it traces, and its partitioner then re-runs the gather in the backward where the weight
 is needed, so between its uses the full parameter is freed and only the shard stays alive. Stages 1
-and 2 (``regather_in_backward=False``) keep the gathered parameter: less traffic, more memory.
+and 2 (``regather_in_backward=False``) keep the gathered parameter: less traffic, more memory. Every
+stage's gathers are also marked as ZeRO's, with their layer (``compat.tag_zero_gather``, in
+``meta["custom"]``: a module path's numbered part, ``model.layers.3``, or the module's path), the mark by
+which ``backend.bucketing`` has Inductor merge each layer's parameter all-gathers, and only those.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_regather_parameters``.
 """
@@ -17,17 +20,22 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_regather_parameters`
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ulysses_compile.collectives import gather_parameter
-from ulysses_compile.compat import tag_recompute
+from ulysses_compile.compat import tag_recompute, tag_zero_gather
+from ulysses_compile.report import module_path
 
 _SIGNATURE = inspect.signature(gather_parameter)
 
 
 def regather_parameters(gm: fx.GraphModule, ctx) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
+        path = module_path(node)
+        layer = re.match(r"(.*?\.\d+)(\.|$)", path)  # model.layers.3.mlp.up_proj -> model.layers.3
+        tag_zero_gather(node, layer.group(1) if layer else path or node.name)
         if _SIGNATURE.bind(*node.args, **node.kwargs).arguments.get("regather_in_backward", False):
             tag_recompute(node, CheckpointPolicy.MUST_RECOMPUTE, 0)

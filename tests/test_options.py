@@ -67,7 +67,7 @@ def test_one_rank_runs_plainly_with_an_info_line(fake_group, caplog):
     assert len(lines) == 1 and "the process group has 1 rank" in lines[0]
 
 
-def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_group):
+def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_group, caplog):
     """At P = 1 the boolean mask transformers builds from positions becomes ``is_causal=True`` (SDPA's
     faster causal kernel), as at any P; loss and every gradient equal eager."""
     import copy
@@ -79,13 +79,16 @@ def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_grou
     fake_group(1)
     eager = tiny_llama()
     ids, labels = token_batch()
-    graph, = rewritten_graphs(copy.deepcopy(eager), (), {"input_ids": ids, "labels": labels})
+    with caplog.at_level(logging.INFO, logger="ulysses_compile"):
+        graph, = rewritten_graphs(copy.deepcopy(eager), (), {"input_ids": ids, "labels": labels, "use_cache": False})
     sdpa = [n for n in graph.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
     assert len(sdpa) == 2 and all(n.kwargs.get("is_causal") and n.kwargs.get("attn_mask") is None for n in sdpa)
+    rewritten = [r for r in caplog.records if "its mask is the causal triangle" in r.getMessage()]
+    assert len(rewritten) == 2  # the pass rewrote them (transformers passes is_causal itself with a cache)
     compiled_model = copy.deepcopy(eager)
     got = torch.compile(compiled_model, backend="ulysses", options={"compiler": "aot_eager"})(
-        input_ids=ids, labels=labels)
-    want = eager(input_ids=ids, labels=labels)
+        input_ids=ids, labels=labels, use_cache=False)
+    want = eager(input_ids=ids, labels=labels, use_cache=False)
     got.loss.backward()
     want.loss.backward()
     compare_model(0, compiled_model, eager, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})

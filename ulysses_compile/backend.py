@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import re
 
 import torch
 import torch.fx as fx
@@ -20,6 +22,8 @@ from .compat import (
     min_cut_rematerialization_partition,
     no_graph_cse,
     returns_to_compile_caller,
+    zero_gather_bucketing,
+    zero_unit,
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
 from .collectives import gather_parameter
@@ -108,32 +112,39 @@ def _data_parallel(opts: Options) -> tuple[str, int] | None:
     return (group.group_name, group.size()) if group is not None and group.size() > 1 else None
 
 
-BUCKET_MIB = 25.0  # DDP's bucket, for ZeRO's collectives in a graph without attention
+BUCKET_MIB = 25.0  # DDP's bucket, for ZeRO's collectives in a graph without numbered layers
 
 
 def bucketing(gm: fx.GraphModule) -> dict:
     """Inductor's bucketing of collectives that run one after another in graph order (the same on every
     rank): the gradients' all-reduces in one bucket (every gradient is kept anyway); ZeRO's parameter
-    all-gathers and gradient reduce-scatters in buckets of one layer's gathered parameters (the graph's
-    over its attention sites, a decoder layer each), as FSDP gathers and reduces a wrapped layer at once.
-    A full gradient or gathered parameter then lives until its bucket's collective, not the whole step.
-    The results are the same elementwise; the ranks meet fewer times."""
-    report = gm.meta.get("ulysses_report")
-    sites = len(report.attention_sites) if report is not None else 0
-    gathered = sum(_bytes(node) for node in gm.graph.find_nodes(op="call_function", target=gather_parameter))
-    layer = functools.partial(_constant, gathered / sites / 2**20 if sites and gathered else BUCKET_MIB)
+    all-gathers one per layer (``passes/regather_parameters.py`` marked each with its layer), as FSDP
+    gathers a wrapped layer at once, where its first parameter is read; ZeRO's reduce-scatters (no other
+    op reduce-scatters) in buckets of the largest layer's gradients, so a full gradient lives until its
+    bucket's reduce-scatter, not the whole step. The results are the same elementwise; the ranks meet
+    fewer times."""
+    reduce_mib = functools.partial(_constant, _largest_layer_gradients(gm))
     return {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all",
-            "bucket_reduce_scatters_fx_bucket_size_determinator": layer,
-            "bucket_all_gathers_fx": "only_fsdp", "bucket_all_gathers_fx_bucket_size_determinator": layer}
+            "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_mib,
+            "post_grad_custom_post_pass": zero_gather_bucketing()}
+
+
+def _largest_layer_gradients(gm: fx.GraphModule) -> float:
+    """MiB of the largest layer's gradients as reduce-scattered (padded to equal shards, in the
+    reduction's dtype; a byte more, as Inductor rounds the cap); DDP's bucket without numbered layers."""
+    layers: dict[str, int] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
+        unit = zero_unit(node)
+        arguments = inspect.signature(gather_parameter).bind(*node.args, **node.kwargs).arguments
+        local = arguments["local"].meta.get("example_value", arguments["local"].meta.get("val"))
+        dtype = arguments.get("reduce_dtype") or arguments.get("param_dtype") or local.dtype
+        if unit is not None and re.search(r"\.\d+$", unit):
+            layers[unit] = layers.get(unit, 0) + local.numel() * arguments["group_size"] * dtype.itemsize
+    return (max(layers.values()) + 1) / 2**20 if layers else BUCKET_MIB
 
 
 def _constant(value: float, index: int) -> float:
     return value
-
-
-def _bytes(node: fx.Node) -> int:
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value.numel() * value.element_size()
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):

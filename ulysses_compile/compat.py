@@ -56,6 +56,9 @@ __all__ = [
     "symbolic_expr",
     "symbolic_hint",
     "tag_recompute",
+    "tag_zero_gather",
+    "zero_gather_bucketing",
+    "zero_unit",
     "aliases_first_input",
     "min_cut_rematerialization_partition",
     "no_graph_cse",
@@ -66,6 +69,8 @@ __all__ = [
     "tree_leaves",
     "tree_map",
 ]
+
+import itertools  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -164,6 +169,55 @@ def tag_recompute(node, policy, region: int) -> None:
     backward (``policy``, a ``torch.utils.checkpoint.CheckpointPolicy``) as part of checkpointed region
     ``region``."""
     node.meta.update(recompute=policy, ac_graph_id=region)
+
+
+ZERO_GATHER = "ulysses_zero_gather"
+
+
+def tag_zero_gather(node, unit: str) -> None:
+    """Mark a node as ZeRO's gather of a parameter of ``unit`` (a layer); AOTAutograd copies
+    ``meta["custom"]`` to every node it traces from it, so Inductor's post-grad graph still tells the
+    parameter's all-gather apart, and whose it is."""
+    node.meta["custom"] = {**node.meta.get("custom", {}), ZERO_GATHER: unit}
+
+
+def zero_unit(node) -> str | None:
+    """The unit ``tag_zero_gather`` gave a node, None if it is not ZeRO's gather."""
+    return node.meta.get("custom", {}).get(ZERO_GATHER)
+
+
+def _bucket_zero_gathers(graph) -> None:
+    """Merge the all-gathers of each unit's parameters (``tag_zero_gather``) that follow one another
+    among ZeRO's gathers into one. torch's bucketing finds the runs it may merge (same group and dtype,
+    none depending on another), given a filter by the tag and no size cap; each run is then cut where
+    the unit changes. (torch's own "only_fsdp" filter is structural, and could classify a gather
+    differently on ranks whose graphs differ; the tag is the same on every rank.)"""
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb, merge_all_gather
+
+    runs = bucket_all_gather_by_mb(graph.owning_module, lambda index: float(2**40),
+                                   filter_wait_node=lambda wait: zero_unit(wait.args[0]) is not None)
+    buckets = []
+    for run in runs:
+        for _, same_unit in itertools.groupby(run, key=zero_unit):
+            bucket = list(same_unit)
+            if len(bucket) > 1:
+                buckets.append(bucket)
+    if buckets:
+        merge_all_gather(graph.owning_module, buckets)
+
+
+def zero_gather_bucketing():
+    """The Inductor post-grad pass of ``_bucket_zero_gathers`` (``post_grad_custom_post_pass``)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class ZeroGatherBucketing(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            _bucket_zero_gathers(graph)
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    return ZeroGatherBucketing()
 
 
 def copy_recompute_tag(source, target) -> None:

@@ -275,7 +275,9 @@ class StepMemory:
         state = self.optimizer_states * self.trainable
         saved = [evaluate(graph.saved) for graph in self.graphs]
         grads = [evaluate(graph.gradients) for graph in self.graphs]
-        most, peak_in, largest = self.trainable + self.optimizer_states * self.largest_shard, "the optimizer step", []
+        temporaries = self.optimizer_states * self.largest_shard
+        most, peak_in = self.trainable + temporaries, "the optimizer step"
+        largest = [("gradients", self.trainable), ("the optimizer's temporaries", temporaries)]
 
         def consider(held: list[tuple[str, int]], timeline: Timeline, program: str) -> None:
             nonlocal most, peak_in, largest

@@ -17,6 +17,7 @@ The pipeline times each pass, keeps the graph code after each in the report, and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -80,7 +81,12 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
 def one_rank_rewrites(gm: fx.GraphModule) -> list[str]:
     """The rewrites a graph compiled for one rank without a report still gets: those exact at any P
     that make it faster (a causal mask built from positions becomes SDPA's causal kernel)."""
-    notes = recognize_causal_mask(gm, None)
+    try:
+        notes = recognize_causal_mask(gm, None)
+    except Exception as error:  # each rewrite is proven before it is made: what was rewritten stays exact
+        log.warning("ulysses_compile: the causal-mask recognition failed (%s: %s); the masks it did not "
+                    "reach are kept", type(error).__name__, error)
+        notes = []
     gm.recompile()
     return notes
 
@@ -92,7 +98,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
     if outputs.gathered and not ctx.outputs_to_caller:
         report.notes.append(_gathered_at_a_graph_break(ctx.graph_break))
-        log.warning("ulysses_compile: %s", report.notes[-1])
+        _warn_once(report.notes[-1])
     tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
     report.notes += tiled.notes
     report.computed_outputs = tiled.computed
@@ -110,12 +116,18 @@ def _gathered_at_a_graph_break(reason: str) -> str:
     where this graph ends at the break itself; a graph that returns into a frame Dynamo resumes after a
     break deeper in the model (transformers' decoder layers) has none."""
     where = f"it ends at a graph break: {reason}" if reason else "the code it returns to runs on before the caller reads them, as after a graph break"
+    logging_hint = (" A logging call breaks the graph: transformers warns about use_cache under gradient "
+                    "checkpointing, so call the model with use_cache=False (or set model.config.use_cache = False); "
+                    "for other loggers add the method to torch._dynamo.config.ignore_logging_functions")
     return (f"this graph's sequence-sharded outputs are gathered on every rank ({where}), and a graph after it "
             f"that holds no attention (an LM head and its loss: [S, vocab] logits) runs on the whole sequence on "
-            f"every rank. Remove the graph break (TORCH_LOGS=graph_breaks shows it). A logging call breaks the "
-            f"graph: transformers warns about use_cache under gradient checkpointing, so call the model with "
-            f"use_cache=False (or set model.config.use_cache = False); for other loggers add the method to "
-            f"torch._dynamo.config.ignore_logging_functions")
+            f"every rank. Remove the graph break (TORCH_LOGS=graph_breaks shows it)."
+            + (logging_hint if not reason or "Logger" in reason else ""))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("ulysses_compile: %s", message)
 
 
 def _dump(report: GraphReport, ctx: PassContext) -> None:
