@@ -94,7 +94,8 @@ def test_zero_stages_train_like_eager(world_size):
 def inductor_buckets_each_layers_collectives(rank, world_size):
     """ZeRO-3 through Inductor: a layer's parameter all-gathers are one collective (forward, and again
     in the backward; the embedding, the final norm and the LM head are their own), the gradients'
-    reduce-scatters are bucketed by a layer's size; loss, logits and every gradient equal eager."""
+    reduce-scatters are bucketed by a layer's size; every attention is parallel (its all-to-alls); loss,
+    logits and every gradient equal eager."""
     import re
 
     from multirank import compare_model
@@ -121,6 +122,8 @@ def inductor_buckets_each_layers_collectives(rank, world_size):
     reductions = calls(backward, "reduce_scatter_tensor")
     assert (gathers, regathers) == (layers + 3, layers + 2) and 2 <= reductions <= layers + 2, (
         f"{parameters} parameters: {gathers} all-gathers, {regathers} in the backward, {reductions} reduce-scatters")
+    # sequence parallel as well: q, k and v to heads in one all-to-all, the output back, each way
+    assert [calls(forward, "all_to_all_single"), calls(backward, "all_to_all_single")] == [2 * layers, 2 * layers]
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
     compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
