@@ -113,6 +113,7 @@ def _data_parallel(opts: Options) -> tuple[str, int] | None:
 
 
 BUCKET_MIB = 25.0  # DDP's bucket, for ZeRO's collectives in a graph without numbered layers
+_GATHER_SIGNATURE = inspect.signature(gather_parameter)
 
 
 def bucketing(gm: fx.GraphModule) -> dict:
@@ -135,7 +136,7 @@ def _largest_layer_gradients(gm: fx.GraphModule) -> float:
     layers: dict[str, int] = {}
     for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
         unit = zero_unit(node)
-        arguments = inspect.signature(gather_parameter).bind(*node.args, **node.kwargs).arguments
+        arguments = _GATHER_SIGNATURE.bind(*node.args, **node.kwargs).arguments
         local = arguments["local"].meta.get("example_value", arguments["local"].meta.get("val"))
         dtype = arguments.get("reduce_dtype") or arguments.get("param_dtype") or local.dtype
         if unit is not None and re.search(r"\.\d+$", unit):
