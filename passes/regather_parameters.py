@@ -20,14 +20,13 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_regather_parameters`
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ulysses_compile.collectives import gather_parameter
 from ulysses_compile.compat import tag_recompute, tag_zero_gather
-from ulysses_compile.report import module_path
+from ulysses_compile.report import layer_of, module_path
 
 _SIGNATURE = inspect.signature(gather_parameter)
 
@@ -35,7 +34,6 @@ _SIGNATURE = inspect.signature(gather_parameter)
 def regather_parameters(gm: fx.GraphModule, ctx) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=gather_parameter):
         path = module_path(node)
-        layer = re.match(r"(.*?\.\d+)(\.|$)", path)  # model.layers.3.mlp.up_proj -> model.layers.3
-        tag_zero_gather(node, layer.group(1) if layer else path or node.name)
+        tag_zero_gather(node, layer_of(path) or path or node.name)
         if _SIGNATURE.bind(*node.args, **node.kwargs).arguments.get("regather_in_backward", False):
             tag_recompute(node, CheckpointPolicy.MUST_RECOMPUTE, 0)

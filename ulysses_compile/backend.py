@@ -6,7 +6,6 @@ import copy
 import functools
 import inspect
 import logging
-import re
 
 import torch
 import torch.fx as fx
@@ -31,7 +30,7 @@ from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
 from .pipeline import one_rank_rewrites, run_pipeline
-from .report import GraphReport
+from .report import GraphReport, layer_of
 from .verify import verified, verified_short
 
 log = logging.getLogger("ulysses_compile")
@@ -139,7 +138,7 @@ def _largest_layer_gradients(gm: fx.GraphModule) -> float:
         arguments = _GATHER_SIGNATURE.bind(*node.args, **node.kwargs).arguments
         local = arguments["local"].meta.get("example_value", arguments["local"].meta.get("val"))
         dtype = arguments.get("reduce_dtype") or arguments.get("param_dtype") or local.dtype
-        if unit is not None and re.search(r"\.\d+$", unit):
+        if unit is not None and layer_of(unit) == unit:
             layers[unit] = layers.get(unit, 0) + local.numel() * arguments["group_size"] * dtype.itemsize
     return (max(layers.values()) + 1) / 2**20 if layers else BUCKET_MIB
 

@@ -21,6 +21,13 @@ def module_path(node: fx.Node) -> str:
     return re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'].model.layers.0 -> model.layers.0
 
 
+def layer_of(path: str) -> str | None:
+    """The numbered layer a module path lies in (``model.layers.3.mlp.up_proj`` -> ``model.layers.3``),
+    None outside any."""
+    layer = re.match(r"(.*?\.\d+)(\.|$)", path)
+    return layer.group(1) if layer else None
+
+
 @dataclass
 class Fallback:
     node: str
