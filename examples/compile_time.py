@@ -11,8 +11,9 @@ time less a later step's (the compile), the seconds spent in our passes (each gr
 ``report.pass_seconds``), the graphs compiled over the sweep of lengths (Dynamo's ``unique_graphs``;
 the first length compiles for that length, the next for any length), and the all-gathers a step calls
 on the process group, counted by torch's profiler as they run (with regional compilation a layer's
-lazy output reaches the next layer's graph as an input and is gathered there, inside the compiled
-code, which the passes' reports do not show). The losses of the two modes are printed: they must agree.
+sequence-sharded output reaches the next layer's graph, which takes its block as it is; a gather there
+would be inside the compiled code, which the passes' reports do not show). The losses of the two modes
+are printed: they must agree.
 """
 
 from __future__ import annotations

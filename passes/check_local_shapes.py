@@ -15,7 +15,7 @@ import torch.fx as fx
 from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp
 from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import describe, local_shape, sharding_of
-from ulysses_compile.sizes import agree
+from ulysses_compile.sizes import agree, same_size
 
 
 def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
@@ -39,9 +39,15 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
         ):
             continue
         expected = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
-        if len(local.shape) != len(expected) or not all(map(agree, local.shape, expected)):
+        if len(local.shape) != len(expected) or not all(map(_equal, local.shape, expected)):
             raise InternalError(
                 f"node {node.name} ({node.target}) has local shape {tuple(local.shape)} but placement "
                 f"{describe(sharding.output)} of global shape {tuple(sharding.global_value.shape)} "
                 f"implies {expected}"
             )
+
+
+def _equal(size, expected) -> bool:
+    """Equal by the shape environment's facts (a ``torch._check`` relating two symbols), or at this
+    call's sizes and the next ones."""
+    return same_size(size, expected) or agree(size, expected)

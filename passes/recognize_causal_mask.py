@@ -48,6 +48,7 @@ from ulysses_compile.compat import is_fake, real_tensors, symbol_hints, symbol_l
 from ulysses_compile.errors import UlyssesError
 from ulysses_compile.passes.detect_attention import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
 from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
+from ulysses_compile.passes.rules import erase_unused
 from ulysses_compile.report import module_path
 from ulysses_compile.sizes import is_symbolic, same_size
 
@@ -98,7 +99,7 @@ def recognize_causal_mask(gm: fx.GraphModule, ctx) -> list[str]:
                      "it becomes is_causal=True", where)
     for mask, verdict in verdicts.items():
         if verdict.causal:
-            _erase_unused(mask)
+            erase_unused(mask)
     return notes
 
 
@@ -108,16 +109,6 @@ def _set_argument(node: fx.Node, name: str, value) -> None:
         node.args = (*node.args[:index], value, *node.args[index + 1 :])
     else:
         node.kwargs = {**node.kwargs, name: value}
-
-
-def _erase_unused(node: fx.Node) -> None:
-    """``node`` and what only it used: the mask's own nodes (all pure: no graph input tensor enters)."""
-    if node.users or node.op == "placeholder":
-        return
-    inputs = node.all_input_nodes
-    node.graph.erase_node(node)
-    for source in inputs:
-        _erase_unused(source)
 
 
 def _example(node: fx.Node):

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from ulysses_compile.runtime import token_loss_sum
 from ulysses_compile.sharding import NodeSharding, place, sharding_of
 
-from .rules import insert_part, method_or_function_args
+from .rules import erase_unused, insert_part, method_or_function_args
 from .rules.losses import PARAMS
 
 _LINEARS = (torch._C._nn.linear, F.linear)
@@ -80,7 +80,7 @@ def tile_token_loss(gm: fx.GraphModule, ctx, sharded: dict) -> TiledLosses:
         loss = insert_part(node, "call_function", token_loss_sum, (flat, rows, weight, target, ignore_index))
         place(loss, NodeSharding(sharding_of(node).output, sharding_of(node).global_value))
         node.replace_all_uses_with(loss)
-        _erase_unused(node)
+        erase_unused(node)
         found.notes.append(f"{node.name}: the cross-entropy over the [{vocab}]-wide rows of {linear.name} runs in "
                            f"chunks of rows (runtime.token_loss_sum): its log-probabilities and their gradient "
                            f"are never whole")
@@ -156,11 +156,3 @@ def _passes_rows_on(node: fx.Node) -> bool:
 def _row_view(before: fx.Node, tensor: fx.Node, width: int, placement) -> fx.Node:
     rows = insert_part(before, "call_method", "reshape", (tensor, -1, width))
     return place(rows, NodeSharding(placement, sharding_of(tensor).global_value.reshape(-1, width)))
-
-
-def _erase_unused(node: fx.Node) -> None:
-    """``node`` and the inputs only it used, back along the chain."""
-    while isinstance(node, fx.Node) and not node.users:
-        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        node.graph.erase_node(node)
-        node = source

@@ -63,6 +63,14 @@ class TokenLoss(SDPAttention):
         return F.cross_entropy(super().forward(x).flatten(0, 1), labels.flatten())
 
 
+class TokenLossAndLogits(SDPAttention):
+    """The loss and the logits it is computed from, as a model called with labels returns them."""
+
+    def forward(self, x, labels):
+        logits = super().forward(x)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
 class MultiHeadAttention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -265,6 +273,14 @@ def test_tile_token_loss(fake_group):
 +    reduce_partial = ulysses_compile_collectives_reduce_partial(token_loss_sum, group_name = '0')""")
 
 
+def test_return_weight_inputs(fake_group):
+    labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    _, report = _report(fake_group, TokenLossAndLogits(), _features(), labels)
+    assert_expected_inline(_changes(report, "return_weight_inputs"), """\
+-    return (cross_entropy, reshape, sync_grad_1)
++    return (cross_entropy, reshape, l_self_modules_out_parameters_weight_)""")
+
+
 def test_average_data_parallel_grads(fake_group):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -369,7 +385,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 16, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 17, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import nanogpt
 from graphs import reporting_backend, rewritten_graphs
 from models import VOCAB, tiny_llama, token_batch
-from multirank import assert_close, compare_model, run_ranks
+from multirank import assert_close, collectives_called, compare_model, run_ranks
 from sequence_models import graph_break_gpt
 
 from ulysses_compile.boundary import GatheredOnUse, SequenceBlocks
@@ -231,28 +231,43 @@ def test_ranks_reading_different_outputs_stop_with_what_to_do():
     run_ranks(reads_in_different_orders, 2)
 
 
-def regionally_compiled(rank, world_size):
+def regionally_compiled(rank, world_size, lengths):
     model = tiny_llama(layers=3)
     reference = copy.deepcopy(model)
-    ids, labels = token_batch(seq=64)
     reports = []
     for layer in model.model.layers:
         layer.compile(backend=reporting_backend(reports))
-    got = model(input_ids=ids, labels=labels, use_cache=False)
-    assert len(reports) >= 1 and all(len(report.attention_sites) == 1 for report in reports)
+    for seq in lengths:  # compiles for the first length, then (Dynamo's second try) for every length
+        ids, labels = token_batch(seq=seq)
+        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    model.zero_grad()
+    assert reports and all(len(report.attention_sites) == 1 for report in reports)
     for report in reports:
         kinds = [c.kind for c in report.collectives]
         assert [kinds.count(kind) for kind in ("seq_to_heads_qkv", "seq_to_heads", "heads_to_seq")] == [1, 0, 1], kinds
+        assert "gather_seq" not in kinds, kinds
     assert all(report.sharded_outputs and not report.gathered_outputs for report in reports)
     assert all(not report.replicated for report in reports)
-    got.loss.backward()
+
+    def step():
+        step.got = model(input_ids=ids, labels=labels, use_cache=False)
+        step.got.loss.backward()
+
+    called = collectives_called(step)
+    # the first layer's input (the embedding, eager) is sliced, its gradient gathered in the backward; the
+    # last layer's output is gathered where the eager norm reads it (with the small check of which output)
+    assert called["alltoall"] == 2 * 2 * len(model.model.layers), called
+    assert called["allgather"] == 3, called
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
-    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+    compare_model(rank, model, reference, {"loss": (step.got.loss, want.loss), "logits": (step.got.logits, want.logits)})
 
 
 @pytest.mark.multirank
-def test_regionally_compiled_layers_take_each_others_lazy_outputs_equal_to_eager():
+@pytest.mark.parametrize("world_size, lengths", [(2, (64, 66)), (4, (62,))])
+def test_regionally_compiled_layers_pass_each_other_their_blocks_equal_to_eager(world_size, lengths):
     """One compiled decoder layer per layer (torchtitan's and accelerate's regional compilation): each
-    layer's hidden states leave sharded and the next layer's graph takes them, gathered on entry."""
-    run_ranks(regionally_compiled, 2)
+    layer's hidden states leave sharded and the next layer's graph takes its block as it is, and its
+    gradient goes back as blocks: the sequence is not gathered between layers, whatever their number,
+    at a length the graphs were compiled for (62: uneven blocks) and in graphs compiled for every one."""
+    run_ranks(regionally_compiled, world_size, lengths)

@@ -5,17 +5,20 @@ many within fp32's rounding; the pass replaces the model's ``cross_entropy`` at 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from graphs import reporting_backend
-from models import tiny_llama, token_batch
+from models import VOCAB, tiny_llama, token_batch
 from multirank import assert_close, compare_model, run_ranks
 
 import ulysses_compile.runtime as runtime
+from ulysses_compile.collectives import gather_parameter, sync_grad
 from ulysses_compile.errors import UnsupportedError
+from ulysses_compile.zero import compile_partitioned
 
 
 def _rows(seed: int = 0, rows: int = 37, width: int = 16, vocab: int = 50):
@@ -92,18 +95,27 @@ def _scored(logits, labels):
     return (scores * torch.linspace(0.5, 1.5, labels.shape[1])).sum()
 
 
-def logits_computed_when_read(rank, world_size):
+def logits_computed_when_read(rank, world_size, zero_stage):
     model = tiny_llama(layers=2)
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=64)
     reports = []
-    compiled = torch.compile(model, backend=reporting_backend(reports))
+    compiled = torch.compile(model, backend=reporting_backend(reports)) if not zero_stage else \
+        compile_partitioned(model, reporting_backend(reports), zero_stage=zero_stage, group=None, mesh=None,
+                            param_dtype=None, reduce_dtype=None, options={})
     got = compiled(input_ids=ids, labels=labels, use_cache=False)
     (report,) = reports
     kinds = [collective.kind for collective in report.collectives]
     assert len(report.attention_sites) == 2 and kinds.count("seq_to_heads_qkv") == 2, kinds
     assert kinds.count("heads_to_seq") == 2 and "seq_to_heads" not in kinds, kinds
-    assert report.computed_outputs == {1: 2}, str(report)
+    assert {position: (lazy.weight, lazy.vocab) for position, lazy in report.computed_outputs.items()} == {1: (2, VOCAB)}
+    # the graph returns the weight's input (the parameter, or its ZeRO shard), not a [V, H] value that
+    # would take a [V, H] gradient; the caller makes the weight from it when the logits are read
+    steps = report.computed_outputs[1].chain.steps
+    made_by = [gather_parameter] if zero_stage else [sync_grad]
+    assert [(op, target) for op, target, _, _ in steps] == [("call_function", fn) for fn in made_by], steps
+    returned = report.graphs["return_weight_inputs"].strip().splitlines()[-1]
+    assert re.search(r"_modules_lm_head_(parameters_weight|dict_ulysses_shards_weight)_\)$", returned), returned
     assert [note for note in report.notes if "is computed from" in note and "when read" in note], report.notes
     linears = [report.graphs[name].count("torch._C._nn.linear(") for name in ("redistribute", "tile_token_loss")]
     assert linears[0] - linears[1] == 1, linears  # the LM head's
@@ -115,17 +127,17 @@ def logits_computed_when_read(rank, world_size):
                                            "loss + scored logits": (total, want.loss + _scored(want.logits, labels))})
     later = compiled(input_ids=ids, labels=labels, use_cache=False)
     later.loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(compiled.parameters(), lr=0.1).step()
     with pytest.raises(UnsupportedError, match=r"was written since the model ran \(optimizer.step\(\)\); read the "
                                                r"logits before the optimizer step"):
         later.logits.sum()
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_logits_a_tiled_loss_leaves_out_are_computed_when_read_and_equal_eager(world_size):
+@pytest.mark.parametrize("world_size, zero_stage", [(2, 0), (4, 0), (2, 3)])
+def test_logits_a_tiled_loss_leaves_out_are_computed_when_read_and_equal_eager(world_size, zero_stage):
     """Called with labels, the model's graph neither computes nor keeps the ``[S/P, V]`` logits: they
     are computed from the hidden states when read, equal eager's, and a second loss from them sends
     eager's gradients through the LM head; read after an optimizer step they would be the new
     weight's, so that read is refused with what to do."""
-    run_ranks(logits_computed_when_read, world_size)
+    run_ranks(logits_computed_when_read, world_size, zero_stage)

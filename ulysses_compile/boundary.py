@@ -50,6 +50,7 @@ from .compat import (
     version_counter,
 )
 from .errors import CollectiveError, UnsupportedError, is_collective_failure
+from .sharding import block_range
 from .sizes import is_symbolic
 
 
@@ -104,17 +105,45 @@ class _Read:
 _LAZY_CALLS = itertools.count()
 
 
+@dataclass(frozen=True)
+class WeightChain:
+    """The ops by which a graph made the LM head's weight from one of its inputs (``sync_grad``,
+    ``average_grad``, ZeRO's ``gather_parameter``), each ``(op, target, args after the first, kwargs)``:
+    replayed outside the graph when logits it left out are read, so that the graph returns the input
+    itself (``passes/return_weight_inputs.py``). Forward, the weight the graph computed; backward, the
+    gradient reductions the graph would have run."""
+
+    steps: tuple = ()
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        value = source
+        for op, target, args, kwargs in self.steps:
+            value = getattr(value, target)(*args, **kwargs) if op == "call_method" else target(value, *args, **kwargs)
+        return value
+
+
+@dataclass(frozen=True)
+class LazyLinear:
+    """An output a graph left out: ``linear(output, chain(the output at position weight))``, ``vocab`` wide."""
+
+    weight: int
+    vocab: int
+    chain: WeightChain = WeightChain()
+
+
 @dataclass(eq=False)
 class LinearRows:
-    """A block not computed yet: ``linear(rows, weight)``, the LM head's logits a tiled loss left out of
-    the graph (``passes/tile_token_loss.py``), computed when read from the hidden states the loss keeps
-    for its backward anyway. ``version`` is the weight's in-place write count when the graph ran;
-    ``stepped``: an optimizer has stepped the weight since (writes outside autograd's counter)."""
+    """A block not computed yet: ``linear(rows, chain(source))``, the LM head's logits a tiled loss left
+    out of the graph (``passes/tile_token_loss.py``), computed when read from the hidden states the loss
+    keeps for its backward anyway. ``version`` is the weight's source's in-place write count when the
+    graph ran; ``stepped``: an optimizer has stepped it since (writes outside autograd's counter)."""
 
     rows: torch.Tensor
-    weight: torch.Tensor
+    source: torch.Tensor
+    chain: WeightChain
     version: int
     name: str
+    vocab: int
     stepped: bool = False
 
     def __post_init__(self):
@@ -123,10 +152,10 @@ class LinearRows:
 
     @property
     def shape(self) -> tuple:
-        return (*self.rows.shape[:-1], self.weight.shape[0])
+        return (*self.rows.shape[:-1], self.vocab)
 
     def block(self) -> torch.Tensor:
-        if self.stepped or version_counter(self.weight) != self.version:
+        if self.stepped or version_counter(self.source) != self.version:
             raise UnsupportedError(
                 f"the {self.name} (the logits of a model whose loss runs tiled) are computed when first read, "
                 f"from the LM head's weight, and that weight was written since the model ran "
@@ -135,7 +164,7 @@ class LinearRows:
             )
         _UNREAD.discard(self)
         with torch.no_grad(), torch.autocast(self.rows.device.type, enabled=False):
-            return torch.nn.functional.linear(self.rows, self.weight)
+            return torch.nn.functional.linear(self.rows, self.chain(self.source))
 
 
 _UNREAD: weakref.WeakSet = weakref.WeakSet()
@@ -151,11 +180,16 @@ def _watch_optimizer_steps():
 def _mark_stepped(optimizer, args, kwargs) -> None:
     if not _UNREAD:
         return
-    stepped = {parameter.untyped_storage().data_ptr() for group in optimizer.param_groups
-               for parameter in group["params"] if not isinstance(parameter, DTensor)}  # ZeRO: a gathered copy
+    stepped = {_local(parameter).untyped_storage().data_ptr() for group in optimizer.param_groups
+               for parameter in group["params"]}
     for unread in list(_UNREAD):
-        if unread.weight.untyped_storage().data_ptr() in stepped:
+        if unread.source.untyped_storage().data_ptr() in stepped:
             unread.stepped = True
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter's storage on this rank (a ZeRO shard's rows)."""
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
 class GatheredOnUse(torch.Tensor):
@@ -187,6 +221,29 @@ class GatheredOnUse(torch.Tensor):
     def _length(self):
         """The sequence's length S (its dim is ``[outer, S, inner]``)."""
         return self.shape[self._layout.dim] // (self._layout.outer * self._layout.inner)
+
+    def own_block(self, dim, outer, inner, rank, world_size, group_name) -> torch.Tensor | None:
+        """This rank's block, when ``scatter_seq`` takes the block the graph that made it returned (same
+        layout, rank and group) from a whole not gathered yet: the block itself, no gather. Else None."""
+        layout = self._layout
+        same = (dim, outer, inner, rank, world_size, group_name) == \
+            (layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size, layout.group_name)
+        if not same or self._kept:
+            return None
+        block = self._block
+        size = outer * block_range(self._length, world_size, rank)[1] * inner
+        if is_symbolic(size) or is_symbolic(block.shape[dim]):
+            # traced for every length: the block's size is a symbol of its own, the whole's another; the
+            # blocks of a length known only as a symbol are even (``even_blocks``)
+            torch._check(self._length % world_size == 0)
+            torch._check(block.shape[dim] == size)
+            if not statically_known_true(block.shape[dim] == size):
+                return None
+        return block
+
+    def lazy_whole(self):
+        """Blocks laid out as this one's -> their whole, gathered when read (a gradient's way back)."""
+        return functools.partial(_lazy_whole, layout=self._layout, length=self._length)
 
     @property
     def gathered(self) -> bool:
@@ -252,6 +309,10 @@ class GatheredOnUse(torch.Tensor):
         if isinstance(source, cls) and _writes_first_argument(func):
             return source
         return result
+
+
+def _lazy_whole(block: torch.Tensor, layout: _Layout, length) -> GatheredOnUse:
+    return GatheredOnUse(block, None, layout, length, None, [])
 
 
 _KEEPS_BLOCK = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
@@ -320,47 +381,57 @@ class _LeaveSharded(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         layout = ctx.layout
+        own = grad.own_block(layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size,
+                             layout.group_name) if isinstance(grad, GatheredOnUse) else None
+        if own is not None:
+            return own, None, None, None
         block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
         return block.contiguous(), None, None, None
 
 
 class _LeaveShardedLinear(torch.autograd.Function):
-    """The rank's hidden rows and the LM head's weight -> ``GatheredOnUse`` of their ``linear``, computed
-    when read; the gradient of the whole goes back as the block's share, through ``linear``'s backward."""
+    """The rank's hidden rows and the LM head weight's source -> ``GatheredOnUse`` of their ``linear``,
+    computed when read; the gradient of the whole goes back as the block's share, through ``linear``'s
+    backward to the rows, and through the weight's chain (its gradient reductions) to the source."""
 
     @staticmethod
-    def forward(ctx, rows, weight, layout: _Layout, length, read: _Read):
-        ctx.layout = layout
-        ctx.save_for_backward(rows, weight)
-        block = LinearRows(rows.detach(), weight.detach(), version_counter(weight), read.name)
+    def forward(ctx, rows, source, lazy: LazyLinear, layout: _Layout, length, read: _Read):
+        ctx.layout, ctx.chain = layout, lazy.chain
+        ctx.save_for_backward(rows, source)
+        block = LinearRows(rows.detach(), source.detach(), lazy.chain, version_counter(source), read.name, lazy.vocab)
         return GatheredOnUse(block, None, layout, length, read, [])
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight = ctx.saved_tensors
+        rows, source = ctx.saved_tensors
         layout = ctx.layout
         block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
-        grad_rows = block @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = block.reshape(-1, block.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1]) \
-            if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight, None, None, None
+        with torch.enable_grad():
+            leaf = source.detach().requires_grad_(ctx.needs_input_grad[1])
+            weight = ctx.chain(leaf)
+        grad_rows = block @ weight.detach() if ctx.needs_input_grad[0] else None
+        grad_source = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = block.reshape(-1, block.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1])
+            (grad_source,) = torch.autograd.grad(weight, leaf, grad_weight)
+        return grad_rows, grad_source, None, None, None, None
 
 
-def computed_outputs(outputs, computed: dict[int, int]) -> list:
+def computed_outputs(outputs, computed: dict[int, LazyLinear]) -> list:
     """A compiled graph's outputs as the captured graph returns them: the hidden rows at each position of
-    ``computed`` (position -> position of the LM head's weight, appended) replaced by their ``linear``
-    (differentiable), the appended weights dropped."""
+    ``computed`` replaced by their ``linear`` with the weight made from its source (differentiable), the
+    appended sources dropped."""
     outputs = list(outputs)
-    for position, weight in computed.items():
-        outputs[position] = torch.nn.functional.linear(outputs[position], outputs[weight])
+    for position, lazy in computed.items():
+        outputs[position] = torch.nn.functional.linear(outputs[position], lazy.chain(outputs[lazy.weight]))
     return outputs[:len(outputs) - len(computed)]
 
 
-def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[int, int], options, group,
+def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[int, LazyLinear], options, group,
                   graph_name: str):
     """``compiled`` with its sequence-sharded outputs (position -> blocks) returned to the caller as
     ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``); the outputs in ``computed``
-    (position -> the LM head weight's position, ``computed_outputs``) are computed only when read."""
+    (``computed_outputs``) are computed only when read."""
     if not sharded:
         return compiled
     rank, world_size, group_name = group.rank(), group.size(), group.group_name
@@ -368,7 +439,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
 
     def run(*args):
         outputs = list(compiled(*args))
-        weights = {position: outputs[weight] for position, weight in computed.items()}
+        sources = {position: outputs[lazy.weight] for position, lazy in computed.items()}
         outputs = outputs[:len(outputs) - len(computed)]
         call = next(_LAZY_CALLS) if options.outputs == "lazy" else None
         for position, blocks in sharded.items():
@@ -380,8 +451,9 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
             layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name)
             read = _Read(f"output {position} of {graph_name}", call, position)
             length = blocks.whole_length(block, world_size)
-            outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in weights \
-                else _LeaveShardedLinear.apply(block, weights[position], layout, length, read)
+            outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in sources \
+                else _LeaveShardedLinear.apply(block, sources[position], computed[position], layout, length,
+                                               read)
         return outputs
 
     return run

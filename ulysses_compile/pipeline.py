@@ -9,7 +9,7 @@ into the graph's report. The phases::
     propagate placements -> fallbacks                        (split graphs only)
     localize ops, redistribute -> gathered and sharded outputs, tile token losses, tile MLPs,
     average data-parallel gradients, merge ZeRO's gradient reductions, regather parameters,
-    all-to-alls around each site, check local shapes, recompute tags
+    return the LM head weight's inputs, all-to-alls around each site, check local shapes, recompute tags
 
 The pipeline times each pass, keeps the graph code after each in the report, and logs it
 (``TORCH_LOGS="+ulysses_compile"``).
@@ -41,6 +41,7 @@ from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
 from .passes.regather_parameters import regather_parameters
+from .passes.return_weight_inputs import return_weight_inputs
 from .passes.tile_mlp import tile_mlp
 from .passes.tile_token_loss import tile_token_loss
 from .report import Collective, GraphReport
@@ -101,11 +102,11 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
         _warn_once(report.notes[-1])
     tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
     report.notes += tiled.notes
-    report.computed_outputs = tiled.computed
     report.notes += _run(report, tile_mlp, gm, ctx)
     _run(report, average_data_parallel_grads, gm, ctx)
     _run(report, merge_gradient_reductions, gm, ctx)
     _run(report, regather_parameters, gm, ctx)
+    report.computed_outputs = _run(report, return_weight_inputs, gm, ctx, tiled.computed)
     _run(report, insert_all_to_all, gm, ctx, sites)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)

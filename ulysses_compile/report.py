@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from .boundary import LazyLinear
 from .memory import StepMemory
 
 
@@ -54,7 +55,7 @@ class GraphReport:
     replicated: str = ""  # why the whole graph runs unsplit on every rank, if it does
     gathered_outputs: list[str] = field(default_factory=list)  # sharded graph outputs that are gathered
     sharded_outputs: dict = field(default_factory=dict)  # output position -> boundary.SequenceBlocks, leaving sharded
-    computed_outputs: dict[int, int] = field(default_factory=dict)  # sharded output -> its LM head weight's position
+    computed_outputs: dict[int, LazyLinear] = field(default_factory=dict)  # sharded output -> how it is computed
     fallbacks: list[Fallback] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     collectives: list[Collective] = field(default_factory=list)

@@ -114,6 +114,16 @@ def insert_part(node: fx.Node, op: str, target, args: tuple, kwargs: dict | None
     return new
 
 
+def erase_unused(node: fx.Node) -> None:
+    """``node`` if nothing uses it, and then what only it used (never a graph input)."""
+    if node.users or node.op == "placeholder":
+        return
+    inputs = node.all_input_nodes
+    node.graph.erase_node(node)
+    for source in inputs:
+        erase_unused(source)
+
+
 def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
