@@ -29,8 +29,9 @@ when read (``boundary.LinearRows``)::
     token_loss_sum = ulysses_compile_runtime_token_loss_sum(None, rows, weight, target, -100)
     return (loss, hidden, weight)           # output 1: linear(hidden, weight) when read
 
-Under ZeRO-3 the weight returned is the gathered parameter, kept while the logits may be read: a
-``[V, H]`` weight instead of a ``[S/P, V]`` logits block.
+The weight appended here is the value the graph uses; ``return_weight_inputs`` later returns the
+graph input it is made from instead (the parameter, or its ZeRO shard), so the graph holds no ``[V, H]``
+output for the logits' sake.
 
 Left as it is: losses with class weights, label smoothing, probability targets or
 ``reduction="none"``, logits that are not a bias-free linear's output reshaped to rows, and logits not
