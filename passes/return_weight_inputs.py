@@ -17,20 +17,22 @@ the weight's reductions on it: ``sync_grad``'s all-reduce, or ZeRO's reduce-scat
 gathered weight would also stay alive while the logits may be read. An input returned as it is has no
 gradient in the graph: the caller replays the chain (``boundary.WeightChain``) when the logits are read,
 a ZeRO gather then, and their gradient goes through the chain's own backward. Left as it is: a weight
-not made from one input by ops of that input alone.
+not made from one input by ops of that input alone, and one made with collectives over other ranks than
+the sequence group (a data-parallel average, ZeRO over a ``("dp", "sp")`` mesh): reading the logits, or
+a gradient through them, would then be a collective of ranks that need not read alike.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_return_weight_inputs``.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch.fx as fx
 
 from ulysses_compile.boundary import LazyLinear, WeightChain
 from ulysses_compile.compat import tree_leaves
 from ulysses_compile.sharding import sharding_of
-
-from .rules import erase_unused
 
 
 def return_weight_inputs(gm: fx.GraphModule, ctx, computed: dict[int, int]) -> dict[int, LazyLinear]:
@@ -41,12 +43,11 @@ def return_weight_inputs(gm: fx.GraphModule, ctx, computed: dict[int, int]) -> d
     for position, weight in computed.items():
         vocab = sharding_of(values[weight]).global_value.shape[0]
         source, steps = _chain(values[weight])
-        if source is None:
+        if source is None or any(_group(step) not in (None, ctx.group_name) for step in steps):
             found[position] = LazyLinear(weight, vocab)
             continue
-        made, values[weight] = values[weight], source
+        values[weight] = source
         output.args = (type(output.args[0])(values),)
-        erase_unused(made)
         found[position] = LazyLinear(weight, vocab, WeightChain(steps))
     return found
 
@@ -58,8 +59,19 @@ def _chain(node: fx.Node) -> tuple[fx.Node | None, tuple]:
     while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
         if any(isinstance(value, fx.Node) for value in tree_leaves((node.args[1:], node.kwargs))):
             return None, ()
-        steps.append((node.op, node.target, tuple(node.args[1:]), dict(node.kwargs)))
+        steps.append((node.op, node.target, tuple(node.args[1:]), tuple(node.kwargs.items())))
         node = node.args[0]
     if node.op != "placeholder":
         return None, ()
     return node, tuple(reversed(steps))
+
+
+def _group(step: tuple) -> str | None:
+    """The process group a chain step's collective runs over, None for an op that is not one."""
+    op, target, args, kwargs = step
+    if op != "call_function":
+        return None
+    try:
+        return inspect.signature(target).bind(None, *args, **dict(kwargs)).arguments.get("group_name")
+    except (TypeError, ValueError):  # a builtin without a signature, or not bound so
+        return None

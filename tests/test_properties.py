@@ -159,6 +159,7 @@ def compare_sgd_step(where, model, reference, kwargs, config, group):
     compiled = parallelize(model, zero_stage=config["zero_stage"], group=group, compiler=config["compiler"])
     got = loss_and_logits(compiled(**kwargs))
     got["loss"].backward()
+    got["logits"] = got["logits"].clone()  # read before the step: logits a tiled loss left out are computed when read
     torch.optim.SGD(compiled.parameters(), lr=SGD_LR).step()
     want = loss_and_logits(reference(**kwargs))
     want["loss"].backward()
@@ -229,7 +230,7 @@ def test_random_configs_equal_eager_in_one_process():
 
 @pytest.mark.multirank
 def test_random_configs_equal_eager_at_P2():
-    check_random_configs(2, pool_size=2, max_examples=8)
+    check_random_configs(2, pool_size=2, max_examples=6)
 
 
 @pytest.mark.multirank
@@ -240,7 +241,7 @@ def test_random_configs_equal_eager_at_P3():
 
 @pytest.mark.multirank
 def test_random_configs_equal_eager_at_P4():
-    check_random_configs(4, pool_size=4, max_examples=4)
+    check_random_configs(4, pool_size=4, max_examples=3)
 
 
 def chain_equal_to_eager(rank, world_size, config):

@@ -261,6 +261,15 @@ def regionally_compiled(rank, world_size, lengths):
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
     compare_model(rank, model, reference, {"loss": (step.got.loss, want.loss), "logits": (step.got.logits, want.logits)})
+    # a layer's output the caller reads as well: the gradient the next layer hands back as blocks meets
+    # the whole one of the read
+    model.zero_grad()
+    reference.zero_grad()
+    got = model(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True)
+    (got.loss + got.hidden_states[2].square().mean()).backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True)
+    (want.loss + want.hidden_states[2].square().mean()).backward()
+    compare_model(rank, model, reference, {"hidden states": (got.hidden_states[2], want.hidden_states[2])})
 
 
 @pytest.mark.multirank

@@ -46,6 +46,7 @@ from .compat import (
     is_fake,
     make_wrapper_subclass,
     statically_known_true,
+    symbolic_hint,
     tree_map,
     version_counter,
 )
@@ -118,7 +119,8 @@ class WeightChain:
     def __call__(self, source: torch.Tensor) -> torch.Tensor:
         value = source
         for op, target, args, kwargs in self.steps:
-            value = getattr(value, target)(*args, **kwargs) if op == "call_method" else target(value, *args, **kwargs)
+            value = getattr(value, target)(*args, **dict(kwargs)) if op == "call_method" \
+                else target(value, *args, **dict(kwargs))
         return value
 
 
@@ -154,14 +156,21 @@ class LinearRows:
     def shape(self) -> tuple:
         return (*self.rows.shape[:-1], self.vocab)
 
-    def block(self) -> torch.Tensor:
-        if self.stepped or version_counter(self.source) != self.version:
+    def written(self) -> bool:
+        """Whether the weight's source was written since the graph ran, as this rank sees it (a ZeRO
+        shard padded to equal blocks is a copy, which the optimizer does not write)."""
+        return self.stepped or version_counter(self.source) != self.version
+
+    def refuse_stale(self, written: bool) -> None:
+        if written:
             raise UnsupportedError(
                 f"the {self.name} (the logits of a model whose loss runs tiled) are computed when first read, "
                 f"from the LM head's weight, and that weight was written since the model ran "
                 f"(optimizer.step()); read the logits before the optimizer step (logits = out.logits.clone()), "
                 f"or compile with options={{'outputs': 'gather'}}"
             )
+
+    def block(self) -> torch.Tensor:
         _UNREAD.discard(self)
         with torch.no_grad(), torch.autocast(self.rows.device.type, enabled=False):
             return torch.nn.functional.linear(self.rows, self.chain(self.source))
@@ -214,8 +223,13 @@ class GatheredOnUse(torch.Tensor):
 
     @property
     def _block(self) -> torch.Tensor:
-        """This rank's block (computed now if it is a ``LinearRows``)."""
-        return self._source.block() if isinstance(self._source, LinearRows) else self._source
+        """This rank's block; a ``LinearRows`` computed now, once the ranks agree on the read (its weight
+        may be gathered, and written since on some ranks)."""
+        if not isinstance(self._source, LinearRows):
+            return self._source
+        if not is_fake(self._source.rows):
+            self._source.refuse_stale(_agree_on_read(self._read, self._layout, self.device, self._source.written()))
+        return self._source.block()
 
     @property
     def _length(self):
@@ -233,16 +247,21 @@ class GatheredOnUse(torch.Tensor):
         block = self._block
         size = outer * block_range(self._length, world_size, rank)[1] * inner
         if is_symbolic(size) or is_symbolic(block.shape[dim]):
-            # traced for every length: the block's size is a symbol of its own, the whole's another; the
-            # blocks of a length known only as a symbol are even (``even_blocks``)
+            # traced for every length: the block's size is a symbol of its own, the whole's another. A
+            # graph producing blocks of a symbolic length makes them even (``even_blocks``): so taken,
+            # this graph serves even lengths (a guard), and another is compiled for odd ones.
+            hint = symbolic_hint(self._length) if is_symbolic(self._length) else None
+            if hint is None or hint % world_size:
+                return None
             torch._check(self._length % world_size == 0)
             torch._check(block.shape[dim] == size)
             if not statically_known_true(block.shape[dim] == size):
                 return None
         return block
 
-    def lazy_whole(self):
-        """Blocks laid out as this one's -> their whole, gathered when read (a gradient's way back)."""
+    def lazy_whole_of(self):
+        """A function from blocks laid out as this one's to their whole, gathered when read (a gradient's
+        way back)."""
         return functools.partial(_lazy_whole, layout=self._layout, length=self._length)
 
     @property
@@ -257,9 +276,11 @@ class GatheredOnUse(torch.Tensor):
             return self._kept[0]
         if is_fake(self._source):  # traced into a graph, which every rank runs alike
             if getattr(self, "_traced", None) is None:
-                self._traced = _gather(self._block, self._layout, self._length, None)
+                self._traced = _gather(self._block, self._layout, self._length)
             return self._traced
-        self._kept.append(_gather(self._block, self._layout, self._length, self._read))
+        if not isinstance(self._source, LinearRows):  # (its block agrees on the read itself)
+            _agree_on_read(self._read, self._layout, self.device, written=False)
+        self._kept.append(_gather(self._block, self._layout, self._length))
         return self._kept[0]
 
     def __repr__(self, *, tensor_contents=None):
@@ -342,12 +363,18 @@ def _refuse_reshaping_writes(func, args, kwargs) -> None:
         )
 
 
-def _gather(block: torch.Tensor, layout: _Layout, length: int, read: _Read | None) -> torch.Tensor:
-    gather = (block, layout.dim, layout.outer, layout.inner, length, layout.world_size, layout.group_name)
+def _gather(block: torch.Tensor, layout: _Layout, length: int) -> torch.Tensor:
+    return gather_blocks(block, layout.dim, layout.outer, layout.inner, length, layout.world_size, layout.group_name)
+
+
+def _agree_on_read(read: _Read | None, layout: _Layout, device, written: bool) -> bool:
+    """Every rank reads the same output of the same call (a small all-gather of what each reads, and
+    whether the weight of logits computed when read was written since on the rank); whether it was on
+    any rank. Without a read to name (a tensor rebuilt by AOTAutograd), this rank's ``written``."""
     if read is None:
-        return gather_blocks(*gather)
+        return written
     try:
-        rows = gather_rows(read.row(), block.device, layout.world_size, layout.group_name)
+        rows = gather_rows([*read.row(), int(written)], device, layout.world_size, layout.group_name)
     except RuntimeError as failure:
         if not is_collective_failure(failure):
             raise
@@ -357,16 +384,16 @@ def _gather(block: torch.Tensor, layout: _Layout, length: int, read: _Read | Non
             f"or failed: look for its error. Read the outputs on every rank, or compile with "
             f"options={{'outputs': 'gather'}}"
         ) from failure
-    if any(row != read.row() for row in rows):
+    if any(row[:2] != read.row() for row in rows):
         others = "; ".join(f"rank {rank} read output {row[1]} of lazy call {row[0]}"
-                           for rank, row in enumerate(rows) if row != read.row())
+                           for rank, row in enumerate(rows) if row[:2] != read.row())
         raise CollectiveError(
             f"rank {layout.rank}: reading the sequence-sharded {read.name} (output {read.position} of lazy call "
             f"{read.call}) gathers it from every rank, and the ranks read different outputs: {others}. Read a "
             f"compiled model's outputs on every rank in the same order (not under `if rank == 0:`), or compile "
             f"with options={{'outputs': 'gather'}} to gather them inside the graph"
         )
-    return gather_blocks(*gather)
+    return any(row[2] for row in rows)
 
 
 class _LeaveSharded(torch.autograd.Function):

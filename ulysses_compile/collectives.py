@@ -115,7 +115,8 @@ def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_
 class _ScatterSeq(torch.autograd.Function):
     """An input that holds its blocks (``boundary.GatheredOnUse``, a compiled graph's sequence-sharded
     output passed to the next compiled graph) gives this rank's block without a gather, and its
-    gradient goes back the same way, as the blocks of a whole gathered only if read."""
+    gradient goes back the same way, as the blocks of a whole gathered only if read. Found by its
+    ``own_block`` method: ``boundary`` builds on this module, not the other way round."""
 
     @staticmethod
     def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
@@ -123,7 +124,7 @@ class _ScatterSeq(torch.autograd.Function):
         ctx.args = (dim, outer, inner, length, world_size, group_name)
         own_block = getattr(x, "own_block", None)
         block = own_block(dim, outer, inner, rank, world_size, group_name) if own_block else None
-        ctx.lazy_whole = x.lazy_whole() if block is not None else None
+        ctx.lazy_whole = x.lazy_whole_of() if block is not None else None
         if block is not None:
             return block.view_as(block)
         return take_block(x, dim, outer, inner, rank, world_size).contiguous()
