@@ -73,6 +73,6 @@ def lora_trains_like_eager(rank, world_size, stage, folder):
         assert_close(f"{where} loaded {name}", tensor, trained[name])
 
 
-@pytest.mark.parametrize("world_size,stage", [(2, 0), (4, 3)])
+@pytest.mark.parametrize("world_size,stage", [(2, 0), pytest.param(4, 3, marks=pytest.mark.slow)])
 def test_lora_trains_like_eager_and_saves_the_adapter(world_size, stage, tmp_path):
     run_ranks(lora_trains_like_eager, world_size, stage, str(tmp_path))

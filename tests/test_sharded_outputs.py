@@ -261,6 +261,8 @@ def regionally_compiled(rank, world_size, lengths):
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
     compare_model(rank, model, reference, {"loss": (step.got.loss, want.loss), "logits": (step.got.logits, want.logits)})
+    if world_size > 2:
+        return
     # a layer's output the caller reads as well: the gradient the next layer hands back as blocks meets
     # the whole one of the read
     model.zero_grad()
