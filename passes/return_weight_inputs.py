@@ -47,8 +47,8 @@ def return_weight_inputs(gm: fx.GraphModule, ctx, computed: dict[int, int]) -> d
             found[position] = LazyLinear(weight, vocab)
             continue
         values[weight] = source
-        output.args = (type(output.args[0])(values),)
         found[position] = LazyLinear(weight, vocab, WeightChain(steps))
+    output.args = (type(output.args[0])(values),)
     return found
 
 

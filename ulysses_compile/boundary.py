@@ -407,13 +407,17 @@ class _LeaveSharded(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        layout = ctx.layout
-        own = grad.own_block(layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size,
-                             layout.group_name) if isinstance(grad, GatheredOnUse) else None
-        if own is not None:
-            return own, None, None, None
-        block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
-        return block.contiguous(), None, None, None
+        return _block_of_gradient(grad, ctx.layout), None, None, None
+
+
+def _block_of_gradient(grad: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """This rank's block of the gradient of a whole: a lazy gradient's own block (handed back by the next
+    compiled graph, ``collectives.scatter_seq``), else taken from the whole."""
+    own = grad.own_block(layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size,
+                         layout.group_name) if isinstance(grad, GatheredOnUse) else None
+    if own is not None:
+        return own
+    return take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size).contiguous()
 
 
 class _LeaveShardedLinear(torch.autograd.Function):
@@ -431,8 +435,7 @@ class _LeaveShardedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, source = ctx.saved_tensors
-        layout = ctx.layout
-        block = take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size)
+        block = _block_of_gradient(grad, ctx.layout)
         with torch.enable_grad():
             leaf = source.detach().requires_grad_(ctx.needs_input_grad[1])
             weight = ctx.chain(leaf)

@@ -124,10 +124,11 @@ class _ScatterSeq(torch.autograd.Function):
         ctx.args = (dim, outer, inner, length, world_size, group_name)
         own_block = getattr(x, "own_block", None)
         block = own_block(dim, outer, inner, rank, world_size, group_name) if own_block else None
-        ctx.lazy_whole = x.lazy_whole_of() if block is not None else None
-        if block is not None:
-            return block.view_as(block)
-        return take_block(x, dim, outer, inner, rank, world_size).contiguous()
+        if block is None:
+            ctx.lazy_whole = None
+            return take_block(x, dim, outer, inner, rank, world_size).contiguous()
+        ctx.lazy_whole = x.lazy_whole_of()
+        return block.view_as(block)
 
     @staticmethod
     def backward(ctx, grad):
