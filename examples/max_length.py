@@ -171,7 +171,7 @@ def alst(seq_len: int, world_size: int, rank: int):
         grads /= world_size  # the engine averages over its sequence-data-parallel group
         for p, synced in zip(parameters, torch._utils._unflatten_dense_tensors(grads, [p.grad for p in parameters])):
             p.grad.copy_(synced)
-        del grads  # the engine's buckets are free by the optimizer step
+        del grads, synced  # the engine's buckets are free by the optimizer step
         optimizer.step()
         return loss.detach()
 

@@ -6,7 +6,9 @@ body is a subgraph, opaque to the passes. This pass copies each body into the gr
 call and tags the copied nodes ``recompute = PREFER_RECOMPUTE`` with one ``ac_graph_id`` per region:
 the tags AOTAutograd itself puts on a region's ops when it traces the higher-order op, so its
 partitioner keeps only the region's inputs and recomputes the rest in the backward, as checkpointing
-would. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
+would. The region's outputs are tagged ``MUST_SAVE``: eager keeps them where an op after the region
+needs them in its backward (the final norm after the last decoder layer), and recomputing them would
+run the whole region again before that op's backward, holding its intermediates alongside. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
 and 2 keep the gathered weights for the backward, stage 3 gathers them again (regather_parameters).
 Nodes later passes insert inside a region (the all-to-alls) get its tags from
 ``recompute_inserted_nodes``, so the backward recomputes them too, as DeepSpeed's checkpointing does.
@@ -84,6 +86,11 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
                 elif copied.target is not CHECKPOINT:
                     tag_recompute(copied, CheckpointPolicy.PREFER_RECOMPUTE, region)
                 env[node] = copied
+    region_outputs: list[fx.Node] = []
+    fx.node.map_arg(outputs, region_outputs.append)
+    for output in region_outputs:
+        if recompute_region(output) == region:
+            tag_recompute(output, CheckpointPolicy.MUST_SAVE, region)
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])

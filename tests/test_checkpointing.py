@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import nanogpt
 from models import token_batch, tiny_llama
@@ -147,6 +147,9 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_block_modules_qkv_paramete
     return (sum_1,)""")
     tagged = {node.name: node.meta.get("ac_graph_id") for node in gm.graph.nodes}
     assert tagged["scaled_dot_product_attention"] == 1 and tagged.get("sum_1") is None
+    policies = {node.name: node.meta.get("recompute") for node in gm.graph.nodes}
+    assert policies["scaled_dot_product_attention"] == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policies["flatten"] == CheckpointPolicy.MUST_SAVE  # the region's output, read after it
     collectives = [node for node in gm.graph.nodes if node.target in (seq_to_heads_qkv, heads_to_seq)]
     assert [node.target for node in collectives] == [seq_to_heads_qkv, heads_to_seq]
     assert all(node.meta["ac_graph_id"] == 1 for node in collectives)

@@ -14,10 +14,10 @@ from .agreement import InputCheck, fingerprint, guarded, input_names
 from .compat import (
     CompileContext,
     aot_autograd,
+    boxed_nop,
     compile_fx,
     graph_break_reason,
     list_mode_options,
-    make_boxed_func,
     min_cut_rematerialization_partition,
     no_graph_cse,
     returns_to_compile_caller,
@@ -153,7 +153,7 @@ def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str |
         with no_graph_cse():
             return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":
-        return aot(_boxed_eager, _boxed_eager)(gm, example_inputs)
+        return aot(boxed_nop, boxed_nop)(gm, example_inputs)
     return gm.forward
 
 
@@ -168,8 +168,4 @@ def aot(fw_compiler, bw_compiler):
             return compile_joint(gm, example_inputs)
 
     return compile_without_cse
-
-
-def _boxed_eager(gm: fx.GraphModule, example_inputs):
-    return make_boxed_func(gm.forward)
 

@@ -2,6 +2,7 @@
 
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "version_counter",
     "BackendCompilerFailed",
+    "boxed_nop",
     "buffer_slots",
     "CompileContext",
     "FakeTensor",
