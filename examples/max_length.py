@@ -3,7 +3,7 @@ backend, DeepSpeed-Ulysses and ALST, on P CPU (gloo) ranks.
 
     python examples/max_length.py                                  # P = 2, cap 1 GiB per rank
     python examples/max_length.py --world-sizes 2 4 --cap-mib 768 --granule 128 --out max_length
-    python examples/max_length.py --world-sizes 4 --configs ulysses --probe 6912 9216   # peaks at these S
+    python examples/max_length.py --world-sizes 4 --configs ulysses alst --probe 36864 55296   # these S only
 
 The model has real proportions for its size: a transformers Llama with a 32K vocabulary (hidden 256,
 4 layers, 8 heads), one sequence, gradient checkpointing on every decoder layer (non-reentrant), a full
@@ -253,38 +253,42 @@ def main() -> None:
     parser.add_argument("--granule", type=int, default=256, help="lengths searched are multiples of this x P")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
     parser.add_argument("--out", default="max_length", help="writes OUT.json and OUT.png")
-    parser.add_argument("--probe", type=int, nargs="+", help="measure the peak at these lengths only (no search)")
+    parser.add_argument("--probe", type=int, nargs="+",
+                        help="measure the peak at these lengths only (no search); the longest within the cap")
     args = parser.parse_args()
-    if args.probe:
-        for world_size in args.world_sizes:
-            for config in args.configs:
-                for length in args.probe:
-                    peak = measured_peak(config, world_size, length)
-                    print(f"{config} P={world_size} S={length}: {peak / 2**20:.0f} MiB "
-                          f"({'within' if peak <= args.cap_mib * 2**20 else 'over'} {args.cap_mib} MiB)")
-        return
     cap = args.cap_mib * 2**20
     rows = []
+
+    def row(config: str, world_size: int, length: int, probes: dict) -> dict:
+        return {"config": config, "P": world_size, "longest": length, "peak_bytes": probes.get(length, 0),
+                "probes": dict(sorted(probes.items()))}
+
+    def probe(config: str, world_size: int) -> dict:
+        probes = {}
+        for length in args.probe:
+            probes[length] = measured_peak(config, world_size, length)
+            print(f"{config} P={world_size} S={length}: {probes[length] / 2**20:.0f} MiB "
+                  f"({'within' if probes[length] <= cap else 'over'} {args.cap_mib} MiB)", flush=True)
+        return row(config, world_size, max((n for n, peak in probes.items() if peak <= cap), default=0), probes)
 
     def search(config: str, world_size: int) -> dict:
         probes: dict[int, int] = {}
         granule = args.granule * (1 if config == "one" else world_size)
-        length = longest(config, world_size, cap, granule, probes)
-        return {"config": config, "P": world_size, "longest": length, "peak_bytes": probes.get(length, 0),
-                "probes": dict(sorted(probes.items()))}
+        return row(config, world_size, longest(config, world_size, cap, granule, probes), probes)
 
-    one = search("one", 1) if "one" in args.configs else None  # one process does not depend on P
+    measure = probe if args.probe else search
+    one = measure("one", 1) if "one" in args.configs else None  # one process does not depend on P
     for world_size in args.world_sizes:
         rows += [{**one, "P": world_size}] if one else []
-        rows += [search(config, world_size) for config in args.configs if config != "one"]
-    report(rows, args.cap_mib)
+        rows += [measure(config, world_size) for config in args.configs if config != "one"]
+    report(rows, args.cap_mib, "the longest length probed" if args.probe else "the longest sequence")
     with open(f"{args.out}.json", "w") as out:
         json.dump({"cap_mib": args.cap_mib, "vocab": VOCAB, "rows": rows}, out, indent=1)
     plot(rows, args.cap_mib, f"{args.out}.png")
 
 
-def report(rows: list[dict], cap_mib: int) -> None:
-    print(f"longest sequence whose training step fits {cap_mib} MiB per rank (Llama, vocab {VOCAB}, "
+def report(rows: list[dict], cap_mib: int, what: str) -> None:
+    print(f"{what} whose training step fits {cap_mib} MiB per rank (Llama, vocab {VOCAB}, "
           f"hidden 256, 4 layers, checkpointing, AdamW):")
     by = {(row["config"], row["P"]): row for row in rows}
     for (config, world_size), row in by.items():
