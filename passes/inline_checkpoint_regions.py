@@ -6,10 +6,13 @@ body is a subgraph, opaque to the passes. This pass copies each body into the gr
 call and tags the copied nodes ``recompute = PREFER_RECOMPUTE`` with one ``ac_graph_id`` per region:
 the tags AOTAutograd itself puts on a region's ops when it traces the higher-order op, so its
 partitioner keeps only the region's inputs and recomputes the rest in the backward, as checkpointing
-would. The region's outputs are tagged ``MUST_SAVE``: eager keeps them where an op after the region
-needs them in its backward (the final norm after the last decoder layer), and recomputing them would
-run the whole region again before that op's backward, holding its intermediates alongside. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
+would. What the region computes from parameters alone (ZeRO's gathers) is left untagged: stages 1
 and 2 keep the gathered weights for the backward, stage 3 gathers them again (regather_parameters).
+The region's outputs are tagged ``MUST_SAVE`` by ``recompute_inserted_nodes``: eager keeps them where
+an op after the region needs them in its backward (the final norm after the last decoder layer), and
+recomputing them would run the whole region again before that op's backward, holding its
+intermediates alongside. (The partitioner saves a ``MUST_SAVE`` value only where the backward needs
+it; on a view the tag has no effect, and the region is recomputed as before.)
 Nodes later passes insert inside a region (the all-to-alls) get its tags from
 ``recompute_inserted_nodes``, so the backward recomputes them too, as DeepSpeed's checkpointing does.
 
@@ -86,11 +89,6 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: int
                 elif copied.target is not CHECKPOINT:
                     tag_recompute(copied, CheckpointPolicy.PREFER_RECOMPUTE, region)
                 env[node] = copied
-    region_outputs: list[fx.Node] = []
-    fx.node.map_arg(outputs, region_outputs.append)
-    for output in region_outputs:
-        if recompute_region(output) == region:
-            tag_recompute(output, CheckpointPolicy.MUST_SAVE, region)
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])
@@ -123,7 +121,10 @@ def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, node: fx.Node) -> 
 def recompute_inserted_nodes(gm: fx.GraphModule, ctx) -> None:
     """The last pass: tag a node the passes inserted inside a region as the region's own ops are tagged,
     where the tagged nodes it is computed from (through other untagged ones; graph inputs aside) and
-    those that use it all belong to that one region."""
+    those that use it all belong to that one region; then tag the region's outputs (its nodes read
+    outside it) ``MUST_SAVE``. Tagged here, last, the outputs are the final graph's: a nested region's
+    output read only inside the outer one stays recomputed, and no node a later pass inserts in place
+    of an output inherits the tag."""
     nodes = list(gm.graph.nodes)
     above: dict[fx.Node, set] = {}
     for node in nodes:
@@ -135,6 +136,11 @@ def recompute_inserted_nodes(gm: fx.GraphModule, ctx) -> None:
         if node.op == "call_function" and recompute_region(node) is None and above[node] == below[node] \
                 and len(below[node]) == 1:
             tag_recompute(node, CheckpointPolicy.PREFER_RECOMPUTE, next(iter(below[node])))
+    for node in nodes:
+        region = recompute_region(node)
+        if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE \
+                and any(recompute_region(user) != region for user in node.users):
+            tag_recompute(node, CheckpointPolicy.MUST_SAVE, region)
 
 
 def _regions(node: fx.Node, untagged: dict[fx.Node, set]) -> set:

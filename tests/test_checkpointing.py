@@ -175,6 +175,8 @@ def test_nested_regions_are_opened_into_one(fake_group):
     assert len(gm.meta["ulysses_report"].attention_sites) == 1
     assert not [node for node in gm.graph.nodes if node.op == "get_attr" or "checkpoint" in str(node.target)]
     assert {node.meta.get("ac_graph_id") for node in gm.graph.nodes if node.op == "call_function"} == {1, None}
+    saved = [node.name for node in gm.graph.nodes if node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE]
+    assert saved == ["sum_1"]  # the outer region's output; the inner one's, read inside it, is recomputed
 
 
 class SelectivelyCheckpointed(Checkpointed):
