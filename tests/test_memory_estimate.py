@@ -54,7 +54,7 @@ def _live_bytes(profile) -> list[int]:
     events = []
 
     def collect(event):
-        if event.typed[0] == torch._C._profiler._EventType.Allocation:
+        if event.name == "[memory]":
             events.append((event.start_time_ns, event.typed[1].alloc_size))
         for child in event.children:
             collect(child)
