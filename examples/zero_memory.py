@@ -21,7 +21,8 @@ after a training step with AdamW:
   the same model planned at P ranks in one process, and its error against the measured peak;
 - the collectives one step calls on the process group, each a meeting of the ranks (rank 0's, counted
   by torch's profiler in one more step, after the compiler's bucketing: ``--compiler inductor``
-  buckets ZeRO's all-gathers and reduce-scatters).
+  buckets ZeRO's all-gathers and reduce-scatters), and, under Inductor, how many of the step's
+  all-gathers its code starts while another is in flight (each layer's prefetched during the one before).
 
 "1 device" is the same step compiled for one rank (a group of one, which the backend compiles as its
 inner compiler would). Every row shows the largest figure over the ranks.
@@ -106,15 +107,48 @@ def collective_calls(model, optimizer, inputs) -> int:
     return sum(1 for event in profile.events() if event.name.startswith("c10d::"))
 
 
-def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int, int]:
+def gather_schedule(code: str) -> list[tuple[str, str]]:
+    """The all-gathers' starts and waits in Inductor's generated code, in the order it runs them, each
+    named by its buffer."""
+    events = []
+    for line in code.splitlines():
+        if started := re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("
+                                r"|all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)", line):
+            events.append(("start", started.group(1) or started.group(2)))
+        elif (waited := re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)) and any(
+                buffer == waited.group(1) for _, buffer in events):
+            events.append(("wait", waited.group(1)))
+    return events
+
+
+def prefetched_gathers(codes) -> str:
+    """All-gathers in Inductor's code (``codes``: forward and backward) and how many of them start while
+    another is in flight (prefetched), as "prefetched/all"; "-" when no code was generated."""
+    started = prefetched = 0
+    for code in codes:
+        in_flight = set()
+        for event, buffer in gather_schedule(code):
+            if event == "start":
+                started, prefetched = started + 1, prefetched + bool(in_flight)
+                in_flight.add(buffer)
+            else:
+                in_flight.discard(buffer)
+    return f"{prefetched}/{started}" if codes else "-"
+
+
+def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int, int, str]:
+    from ulysses_compile.compat import run_and_get_code
+
     inputs = batch(seq_len, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(**inputs).loss.backward()  # compiles; creates the gradients and the optimizer state
+    # compiles; creates the gradients and the optimizer state
+    _, codes = run_and_get_code(lambda: model(**inputs).loss.backward())
     optimizer.step()
     peak = measured_step(model, optimizer, inputs)
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
-    return _bytes(params), _bytes(p.grad for p in params), _bytes(state), peak, collective_calls(model, optimizer, inputs)
+    return (_bytes(params), _bytes(p.grad for p in params), _bytes(state), peak,
+            collective_calls(model, optimizer, inputs), prefetched_gathers(codes))
 
 
 def run(rank: int, world_size: int, port: int, args) -> None:
@@ -138,6 +172,7 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     if rank == 0:
         worst = {name: [max(ranks[name][i] for ranks in every_rank) for i in range(4)] for name in rows}
         calls = {name: every_rank[0][name][4] for name in rows}
+        prefetched = {name: every_rank[0][name][5] for name in rows}
         single = worst["1 device"]
         print(f"{args.model} (vocab {args.vocab}), P = {world_size}, S = {args.seq_len}, compiler {args.compiler}, outputs {args.outputs}"
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
@@ -145,13 +180,13 @@ def run(rank: int, world_size: int, port: int, args) -> None:
               f"{1 / world_size:.3f})")
         print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
                                                                   "step peak")) + f"{'explain estimate':>30}"
-              + f"{'collectives':>13}")
+              + f"{'collectives':>13}{'gathers prefetched':>20}")
         for name, values in worst.items():
             estimate = args.estimates.get(name)
             print(f"{name:>9}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
                                          for value, one in zip(values, single))
                   + (f"{estimate / 2**20:>12.1f} MiB ({estimate / values[3] - 1:+.1%})" if estimate else f"{'':>30}")
-                  + f"{calls[name]:>13}")
+                  + f"{calls[name]:>13}{prefetched[name]:>20}")
     dist.destroy_process_group()
 
 

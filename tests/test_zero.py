@@ -93,13 +93,15 @@ def test_zero_stages_train_like_eager(world_size):
 
 def inductor_buckets_each_layers_collectives(rank, world_size):
     """ZeRO-3 through Inductor: a layer's parameter all-gathers are one collective (forward, and again
-    in the backward; the embedding, the final norm and the LM head are their own), the gradients'
+    in the backward; the embedding, the final norm and the LM head are their own), each started before
+    the previous one's wait (prefetched one unit ahead, in Inductor's code); the gradients'
     reduce-scatters are bucketed by a layer's size; every attention is parallel (its all-to-alls); loss,
     logits and every gradient equal eager."""
     import re
 
     from multirank import compare_model
     from ulysses_compile.compat import run_and_get_code
+    from zero_memory import gather_schedule
 
     layers = 2
     model = tiny_llama(layers=layers)
@@ -122,6 +124,12 @@ def inductor_buckets_each_layers_collectives(rank, world_size):
     reductions = calls(backward, "reduce_scatter_tensor")
     assert (gathers, regathers) == (layers + 3, layers + 2) and 2 <= reductions <= layers + 2, (
         f"{parameters} parameters: {gathers} all-gathers, {regathers} in the backward, {reductions} reduce-scatters")
+    for phase, code in (("forward", forward), ("backward", backward)):
+        schedule = gather_schedule(code)
+        starts = [buffer for event, buffer in schedule if event == "start"]
+        prefetched = [("start", starts[0])] + [event for started, waited in zip(starts[1:], starts)
+                                               for event in (("start", started), ("wait", waited))]
+        assert schedule == prefetched + [("wait", starts[-1])], f"{phase}: {schedule}"
     # sequence parallel as well: q, k and v to heads in one all-to-all, the output back, each way
     assert [calls(forward, "all_to_all_single"), calls(backward, "all_to_all_single")] == [2 * layers, 2 * layers]
     want = reference(input_ids=ids, labels=labels, use_cache=False)

@@ -208,13 +208,52 @@ def _bucket_zero_gathers(graph) -> None:
         merge_all_gather(graph.owning_module, buckets)
 
 
+def _prefetch_zero_gathers(graph) -> None:
+    """Issue each ZeRO all-gather (a unit's bucket, in graph order) before the previous one's wait, so
+    the parameters of the next layer arrive while this one computes, as FSDP prefetches one module ahead.
+    The start moves with what it reads (the shard, its cast and copy into the bucket); control
+    dependencies (torch's ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's
+    memory-driven reordering cannot undo it and every rank issues the gathers in the same order, at
+    most two units' parameters whole at once."""
+    from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    starts = [node for node in graph.nodes if is_all_gather_into_tensor(node) and zero_unit(node) is not None]
+    order = {}
+    for start, following in zip(starts, starts[1:]):
+        wait = next(user for user in start.users if is_wait_tensor(user))
+        position = {node: index for index, node in enumerate(graph.nodes)}
+        reads = _computed_ancestors(following)
+        if wait in reads:
+            continue
+        for node in sorted((node for node in reads if position[node] > position[wait]), key=position.get):
+            wait.prepend(node)
+        order.setdefault(wait, OrderedSet()).add(following)
+        order.setdefault(following, OrderedSet()).add(start)
+    preserve_node_ordering(graph, order)
+
+
+def _computed_ancestors(node) -> set:
+    """``node`` and every node it depends on, short of the graph's inputs."""
+    found, pending = set(), [node]
+    while pending:
+        current = pending.pop()
+        if current not in found and current.op != "placeholder":
+            found.add(current)
+            pending.extend(current.all_input_nodes)
+    return found
+
+
 def zero_gather_bucketing():
-    """The Inductor post-grad pass of ``_bucket_zero_gathers`` (``post_grad_custom_post_pass``)."""
+    """The Inductor post-grad pass that buckets (``_bucket_zero_gathers``) and prefetches
+    (``_prefetch_zero_gathers``) ZeRO's parameter all-gathers (``post_grad_custom_post_pass``)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class ZeroGatherBucketing(CustomGraphPass):
         def __call__(self, graph) -> None:
             _bucket_zero_gathers(graph)
+            _prefetch_zero_gathers(graph)
 
         def uuid(self):
             return get_hash_for_files((__file__,))
