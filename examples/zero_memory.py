@@ -107,16 +107,18 @@ def collective_calls(model, optimizer, inputs) -> int:
     return sum(1 for event in profile.events() if event.name.startswith("c10d::"))
 
 
-def gather_schedule(code: str) -> list[tuple[str, str]]:
-    """The all-gathers' starts and waits in Inductor's generated code, in the order it runs them, each
-    named by its buffer."""
+def collective_schedule(code: str) -> list[tuple[str, str]]:
+    """The all-gathers' starts and waits and the all-to-alls in Inductor's generated code, in the order it
+    runs them, each named by its buffer: ("start" | "wait" | "all_to_all", buffer)."""
     events = []
     for line in code.splitlines():
         if started := re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("
                                 r"|all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)", line):
             events.append(("start", started.group(1) or started.group(2)))
+        elif exchanged := re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line):
+            events.append(("all_to_all", exchanged.group(1)))
         elif (waited := re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)) and any(
-                buffer == waited.group(1) for _, buffer in events):
+                event == "start" and buffer == waited.group(1) for event, buffer in events):
             events.append(("wait", waited.group(1)))
     return events
 
@@ -127,11 +129,11 @@ def prefetched_gathers(codes) -> str:
     started = prefetched = 0
     for code in codes:
         in_flight = set()
-        for event, buffer in gather_schedule(code):
+        for event, buffer in collective_schedule(code):
             if event == "start":
                 started, prefetched = started + 1, prefetched + bool(in_flight)
                 in_flight.add(buffer)
-            else:
+            elif event == "wait":
                 in_flight.discard(buffer)
     return f"{prefetched}/{started}" if codes else "-"
 

@@ -210,11 +210,14 @@ def _bucket_zero_gathers(graph) -> None:
 
 def _prefetch_zero_gathers(graph) -> None:
     """Issue each ZeRO all-gather (a unit's bucket, in graph order) before the previous one's wait, so
-    the parameters of the next layer arrive while this one computes, as FSDP prefetches one module ahead.
-    The start moves with what it reads (the shard, its cast and copy into the bucket); control
-    dependencies (torch's ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's
-    memory-driven reordering cannot undo it and every rank issues the gathers in the same order, at
-    most two units' parameters whole at once."""
+    the parameters of the next layer arrive while this one computes, as FSDP prefetches one module ahead
+    (at stage 3, two units' parameters are then whole at once in graph order). The start moves with
+    what it reads (the shard, its cast and copy into the bucket); control dependencies (torch's
+    ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's memory-driven
+    reordering cannot undo the prefetch and every rank issues the gathers in the same order among
+    themselves. (Their order against other collectives is graph order only as far as Inductor keeps it:
+    the reduce-scatters and all-reduces are bucketed after this pass, and pinning them here would stop
+    that.)"""
     from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
@@ -222,11 +225,11 @@ def _prefetch_zero_gathers(graph) -> None:
     starts = [node for node in graph.nodes if is_all_gather_into_tensor(node) and zero_unit(node) is not None]
     order = {}
     for start, following in zip(starts, starts[1:]):
-        wait = next(user for user in start.users if is_wait_tensor(user))
-        position = {node: index for index, node in enumerate(graph.nodes)}
+        wait = next((user for user in start.users if is_wait_tensor(user)), None)
         reads = _computed_ancestors(following)
-        if wait in reads:
+        if wait is None or wait in reads:
             continue
+        position = {node: index for index, node in enumerate(graph.nodes)}
         for node in sorted((node for node in reads if position[node] > position[wait]), key=position.get):
             wait.prepend(node)
         order.setdefault(wait, OrderedSet()).add(following)
