@@ -15,13 +15,13 @@ from .compat import (
     CompileContext,
     aot_autograd,
     boxed_nop,
+    bucket_and_prefetch_zero_gathers,
     compile_fx,
     graph_break_reason,
     list_mode_options,
     min_cut_rematerialization_partition,
     no_graph_cse,
     returns_to_compile_caller,
-    zero_gather_bucketing,
     zero_unit,
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
@@ -126,7 +126,7 @@ def bucketing(gm: fx.GraphModule) -> dict:
     reduce_mib = functools.partial(_constant, _largest_layer_gradients(gm))
     return {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all",
             "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_mib,
-            "post_grad_custom_post_pass": zero_gather_bucketing()}
+            "post_grad_custom_post_pass": bucket_and_prefetch_zero_gathers()}
 
 
 def _largest_layer_gradients(gm: fx.GraphModule) -> float:

@@ -59,7 +59,7 @@ __all__ = [
     "symbolic_hint",
     "tag_recompute",
     "tag_zero_gather",
-    "zero_gather_bucketing",
+    "bucket_and_prefetch_zero_gathers",
     "zero_unit",
     "aliases_first_input",
     "min_cut_rematerialization_partition",
@@ -248,12 +248,12 @@ def _computed_ancestors(node) -> set:
     return found
 
 
-def zero_gather_bucketing():
+def bucket_and_prefetch_zero_gathers():
     """The Inductor post-grad pass that buckets (``_bucket_zero_gathers``) and prefetches
     (``_prefetch_zero_gathers``) ZeRO's parameter all-gathers (``post_grad_custom_post_pass``)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    class ZeroGatherBucketing(CustomGraphPass):
+    class BucketAndPrefetchZeroGathers(CustomGraphPass):
         def __call__(self, graph) -> None:
             _bucket_zero_gathers(graph)
             _prefetch_zero_gathers(graph)
@@ -261,7 +261,7 @@ def zero_gather_bucketing():
         def uuid(self):
             return get_hash_for_files((__file__,))
 
-    return ZeroGatherBucketing()
+    return BucketAndPrefetchZeroGathers()
 
 
 def copy_recompute_tag(source, target) -> None:
