@@ -11,10 +11,12 @@ Every configuration runs in fresh processes, each with the threads of one of P r
 - one:        one process, unsharded, ``torch.compile`` (Inductor), attention by SDPA's causal kernel (an
               HF attention function that ignores the mask HF builds);
 - ulysses:    P ranks, ``torch.compile(model, backend="ulysses", options={"outputs": OUTPUTS})``, every
-              rank passing the global batch. ``--outputs local`` (the default here) keeps the logits
-              sharded, as the peer's are; ``--outputs lazy`` (the backend's default) computes them only
-              when read (never, here); ``--outputs gather`` also all-gathers the [S, vocab] logits
-              on every rank;
+              rank passing the global batch. ``--outputs lazy`` (the backend's default, and here)
+              computes the logits only when read (never, here: the step reads the loss, which the
+              graph computes from the LM head's input in chunks of rows); ``--outputs local`` also
+              returns the rank's logits, so the backward multiplies the zero gradient autograd gives
+              an output nobody read (AOTAutograd materializes it); ``--outputs gather`` also
+              all-gathers the [S, vocab] logits on every rank;
 - deepspeed:  P ranks, the same model in eager with its attention wrapped by DeepSpeed's
               ``DistributedAttention`` (an HF attention function), fed what it needs: each rank's
               sequence block, its position ids and pre-shifted labels, a hand-written global loss and
@@ -302,9 +304,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time every configuration this many times, in turn, and keep each one's median")
-    parser.add_argument("--outputs", choices=("local", "lazy", "gather", "dtensor"), default="local",
-                        help="the ulysses option: keep the logits sharded (as the peer does), gather them when "
-                             "read (the backend's default), or gather them in the graph")
+    parser.add_argument("--outputs", choices=("local", "lazy", "gather", "dtensor"), default="lazy",
+                        help="the ulysses option: compute the logits only when read (the backend's default), "
+                             "return each rank's, or gather them in the graph")
     parser.add_argument("--out", default="benchmark", help="writes OUT.json and OUT.png")
     args = parser.parse_args()
     rows = []
