@@ -103,7 +103,7 @@ def measure(args) -> dict:
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
     held = {"parameters": _bytes(params), "gradients": _bytes(p.grad for p in params),
-            "optimizer_state": _bytes(state), "whole_parameters": sum(p.numel() * 4 for p in params),
+            "optimizer_state": _bytes(state), "whole_parameters": sum(p.numel() * p.element_size() for p in params),
             "collectives_per_step": collectives(step)}
     dist.destroy_process_group()
     return {"size": args.size, "seq_len": args.seq_len, "world_size": args.world_size,

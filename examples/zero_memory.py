@@ -123,18 +123,27 @@ def collective_schedule(code: str) -> list[tuple[str, str]]:
     return events
 
 
+def overlapped(schedule: list[tuple[str, str]]) -> tuple[int, int]:
+    """Of a ``collective_schedule``: the all-gathers started while another is in flight (prefetched), and
+    the all-to-alls run while an all-gather is in flight (the layer computing meanwhile)."""
+    in_flight, prefetched, hidden = set(), 0, 0
+    for event, buffer in schedule:
+        if event == "start":
+            prefetched += bool(in_flight)
+            in_flight.add(buffer)
+        elif event == "wait":
+            in_flight.discard(buffer)
+        else:
+            hidden += bool(in_flight)
+    return prefetched, hidden
+
+
 def prefetched_gathers(codes) -> str:
     """All-gathers in Inductor's code (``codes``: forward and backward) and how many of them start while
     another is in flight (prefetched), as "prefetched/all"; "-" when no code was generated."""
-    started = prefetched = 0
-    for code in codes:
-        in_flight = set()
-        for event, buffer in collective_schedule(code):
-            if event == "start":
-                started, prefetched = started + 1, prefetched + bool(in_flight)
-                in_flight.add(buffer)
-            elif event == "wait":
-                in_flight.discard(buffer)
+    schedules = [collective_schedule(code) for code in codes]
+    started = sum(event == "start" for schedule in schedules for event, _ in schedule)
+    prefetched = sum(overlapped(schedule)[0] for schedule in schedules)
     return f"{prefetched}/{started}" if codes else "-"
 
 

@@ -35,4 +35,3 @@ def test_real_scale_runs_tiny_on_cpu(tmp_path):
     # plus the embedding, the final norm and the LM head in the forward, and again in the backward
     # (the recompute reuses the backward's), and reduce-scatters the gradients
     assert (called("alltoall"), called("allgather"), called("reduce_scatter") > 0) == (2 * 3 * 2, 5 + 4, True), calls
-    assert figures["step_seconds"] > 0 and figures["step_peak_bytes"] > 0

@@ -101,7 +101,7 @@ def inductor_buckets_each_layers_collectives(rank, world_size):
 
     from multirank import compare_model
     from ulysses_compile.compat import run_and_get_code
-    from zero_memory import collective_schedule
+    from zero_memory import collective_schedule, overlapped
 
     layers = 2
     model = tiny_llama(layers=layers)
@@ -127,24 +127,15 @@ def inductor_buckets_each_layers_collectives(rank, world_size):
     # each gather starts before the previous one's wait; the gathers in flight while a layer computes
     # span its all-to-alls: every layer's in the forward (the next layer's or the final norm's
     # parameters arrive), every layer's but the last one's in the backward (layer 0 is gathered last)
-    for phase, code, count, overlapped in (("forward", forward, gathers, 2 * layers),
-                                           ("backward", backward, regathers, 2 * (layers - 1))):
+    for phase, code, count, hidden in (("forward", forward, gathers, 2 * layers),
+                                       ("backward", backward, regathers, 2 * (layers - 1))):
         schedule = collective_schedule(code)
         starts = [buffer for event, buffer in schedule if event == "start"]
         order = [(event, buffer) for event, buffer in schedule if event != "all_to_all"]
         prefetched = [("start", starts[0])] + [event for started, waited in zip(starts[1:], starts)
                                                for event in (("start", started), ("wait", waited))]
         assert len(starts) == count and order == prefetched + [("wait", starts[-1])], f"{phase}: {schedule}"
-        in_flight = set()
-        hidden = 0
-        for event, buffer in schedule:
-            if event == "start":
-                in_flight.add(buffer)
-            elif event == "wait":
-                in_flight.discard(buffer)
-            else:
-                hidden += bool(in_flight)
-        assert hidden == overlapped, f"{phase}: {hidden} all-to-alls while a gather is in flight: {schedule}"
+        assert overlapped(schedule) == (count - 1, hidden), f"{phase}: {schedule}"
     # sequence parallel as well: q, k and v to heads in one all-to-all, the output back, each way
     assert [calls(forward, "all_to_all_single"), calls(backward, "all_to_all_single")] == [2 * layers, 2 * layers]
     want = reference(input_ids=ids, labels=labels, use_cache=False)
