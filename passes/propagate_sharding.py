@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.errors import UnsupportedError
+from ulysses_compile.graph_walk import ancestors
 from ulysses_compile.report import Fallback, module_path
 from ulysses_compile.sizes import same_size
 from ulysses_compile.sharding import (
@@ -119,8 +120,8 @@ class _Placed:
 
 def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     """Place every node; returns what propagation must revisit."""
-    feeds_attention = _ancestors(n for site in sites for n in (site.query, site.key, site.value))
-    feeds_attention -= _ancestors(mask for site in sites for mask in site.mask_inputs())
+    feeds_attention = ancestors(n for site in sites for n in (site.query, site.key, site.value))
+    feeds_attention -= ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
     head_parallel = _head_parallel_nodes(sites)
     seq_dims = sequence_dims(sites, ctx.parameters)
@@ -320,15 +321,3 @@ def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:
         f"{reason}, from its global shape (nothing gathered)",
         source=" / ".join(line.strip() for line in source[-2:]),
     )
-
-
-def _ancestors(nodes) -> set[fx.Node]:
-    pending = list(nodes)
-    seen: set[fx.Node] = set()
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        pending.extend(node.all_input_nodes)
-    return seen

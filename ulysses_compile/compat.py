@@ -76,6 +76,8 @@ import itertools  # noqa: E402
 
 import torch  # noqa: E402
 
+from .graph_walk import ancestors  # noqa: E402
+
 c10d_functional = torch.ops._c10d_functional
 disabled_torch_function = torch._C._disabled_torch_function_impl
 log_softmax_backward = torch.ops.aten._log_softmax_backward_data
@@ -212,8 +214,8 @@ def _prefetch_zero_gathers(graph) -> None:
     """Issue each ZeRO all-gather (a unit's bucket, in graph order) before the previous one's wait, so
     the parameters of the next layer arrive while this one computes, as FSDP prefetches one module ahead
     (at stage 3, two units' parameters are then whole at once in graph order). The start moves with
-    what it reads (the shard, its cast and copy into the bucket); control dependencies (torch's
-    ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's memory-driven
+    what it reads after that wait (the shard's cast and copy into the bucket); control dependencies
+    (torch's ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's memory-driven
     reordering cannot undo the prefetch and every rank issues the gathers in the same order among
     themselves. (Their order against other collectives is graph order only as far as Inductor keeps it:
     the reduce-scatters and all-reduces are bucketed after this pass, and pinning them here would stop
@@ -226,7 +228,7 @@ def _prefetch_zero_gathers(graph) -> None:
     order = {}
     for start, following in zip(starts, starts[1:]):
         wait = next((user for user in start.users if is_wait_tensor(user)), None)
-        reads = _computed_ancestors(following)
+        reads = ancestors([following])
         if wait is None or wait in reads:
             continue
         position = {node: index for index, node in enumerate(graph.nodes)}
@@ -235,17 +237,6 @@ def _prefetch_zero_gathers(graph) -> None:
         order.setdefault(wait, OrderedSet()).add(following)
         order.setdefault(following, OrderedSet()).add(start)
     preserve_node_ordering(graph, order)
-
-
-def _computed_ancestors(node) -> set:
-    """``node`` and every node it depends on, short of the graph's inputs."""
-    found, pending = set(), [node]
-    while pending:
-        current = pending.pop()
-        if current not in found and current.op != "placeholder":
-            found.add(current)
-            pending.extend(current.all_input_nodes)
-    return found
 
 
 def bucket_and_prefetch_zero_gathers():
