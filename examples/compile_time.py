@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from benchmark import free_port, log, threads_per_rank
 from transformers import LlamaConfig, LlamaForCausalLM
+from zero_memory import collectives_by_kind
 
 VOCAB = 1024
 MODES = ("whole", "regional")
@@ -74,9 +75,8 @@ def _rank(rank: int, world_size: int, port: int, mode: str, layers: int, lengths
         started = time.perf_counter()
         losses.append(step(lengths[0]))
         again = time.perf_counter() - started
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            losses.append(step(lengths[0]))
-        gathers = sum(1 for event in profile.events() if event.name.startswith("c10d::") and "allgather" in event.name)
+        called = collectives_by_kind(lambda: losses.append(step(lengths[0])))
+        gathers = sum(count for kind, count in called.items() if "allgather" in kind)
         for length in lengths[1:]:
             losses.append(step(length))
         results.put((rank, {

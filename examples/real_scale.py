@@ -25,12 +25,11 @@ import argparse
 import json
 import statistics
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
-from zero_memory import _bytes, peak_bytes
+from zero_memory import _bytes, collectives_by_kind, peak_bytes
 
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=8,
@@ -54,14 +53,6 @@ def only_flash_attention() -> None:
     torch.backends.cuda.enable_math_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def collectives(step) -> dict[str, int]:
-    """The collectives ``step()`` calls, by kind (torch's profiler, as they run)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        step()
-    return dict(Counter(event.name.removeprefix("c10d::").rstrip("_") for event in profile.events()
-                        if event.name.startswith("c10d::")))
 
 
 def measure(args) -> dict:
@@ -104,7 +95,7 @@ def measure(args) -> dict:
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
     held = {"parameters": _bytes(params), "gradients": _bytes(p.grad for p in params),
             "optimizer_state": _bytes(state), "whole_parameters": sum(p.numel() * p.element_size() for p in params),
-            "collectives_per_step": collectives(step)}
+            "collectives_per_step": dict(collectives_by_kind(step))}
     dist.destroy_process_group()
     return {"size": args.size, "seq_len": args.seq_len, "world_size": args.world_size,
             "tokens_per_rank": args.seq_len // args.world_size, "device": args.device,

@@ -34,6 +34,7 @@ import argparse
 import os
 import re
 import socket
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -97,14 +98,25 @@ def measured_step(model, optimizer, inputs) -> int:
     return peak_bytes(step)
 
 
-def collective_calls(model, optimizer, inputs) -> int:
-    """The collectives one training step calls on the process group (each a meeting of the ranks), counted
-    by torch's profiler as they run (after the compiler's bucketing)."""
-    optimizer.zero_grad()
+def collectives_by_kind(step) -> Counter:
+    """The process-group collectives ``step()`` calls as it runs (``allgather``, ``alltoall``, ...; each a
+    meeting of the ranks), counted by torch's profiler: what a compiled program really does, after any
+    compiler's rewrites and bucketing."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    return Counter(re.sub(r"^c10d::|_coalesced|_into_tensor|_base|_$", "", event.name)
+                   for event in profile.events() if event.name.startswith("c10d::"))
+
+
+def collective_calls(model, optimizer, inputs) -> int:
+    """The collectives one training step calls on the process group (``collectives_by_kind``)."""
+    optimizer.zero_grad()
+
+    def step():
         model(**inputs).loss.backward()
         optimizer.step()
-    return sum(1 for event in profile.events() if event.name.startswith("c10d::"))
+
+    return sum(collectives_by_kind(step).values())
 
 
 def collective_schedule(code: str) -> list[tuple[str, str]]:

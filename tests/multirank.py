@@ -11,13 +11,11 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import re
 import socket
 import subprocess
 import sys
 import time
 import traceback
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -117,15 +115,6 @@ def run_ranks(fn, world_size: int, *args) -> None:
     except BaseException:
         _POOLS.pop(world_size).close()
         raise
-
-
-def collectives_called(step) -> Counter:
-    """The process-group collectives ``step()`` calls as it runs (``allgather``, ``alltoall``, ...), counted
-    by torch's profiler: what a compiled program really does, after any compiler's rewrites."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        step()
-    return Counter(re.sub(r"^c10d::|_coalesced|_into_tensor|_base|_$", "", event.name)
-                   for event in profile.events() if event.name.startswith("c10d::"))
 
 
 def torchrun(script, ranks: int, *arguments: str) -> None:

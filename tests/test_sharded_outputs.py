@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import nanogpt
 from graphs import reporting_backend, rewritten_graphs
 from models import VOCAB, tiny_llama, token_batch
-from multirank import assert_close, collectives_called, compare_model, run_ranks
+from multirank import assert_close, compare_model, run_ranks
 from sequence_models import graph_break_gpt
+from zero_memory import collectives_by_kind
 
 from ulysses_compile.boundary import GatheredOnUse, SequenceBlocks
 from ulysses_compile.compat import BackendCompilerFailed
@@ -253,7 +254,7 @@ def regionally_compiled(rank, world_size, lengths):
         step.got = model(input_ids=ids, labels=labels, use_cache=False)
         step.got.loss.backward()
 
-    called = collectives_called(step)
+    called = collectives_by_kind(step)
     # the first layer's input (the embedding, eager) is sliced, its gradient gathered in the backward; the
     # last layer's output is gathered where the eager norm reads it (with the small check of which output)
     assert called["alltoall"] == 2 * 2 * len(model.model.layers), called
