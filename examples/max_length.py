@@ -62,6 +62,8 @@ def build_model(seq_len: int, attention: str = "sdpa") -> LlamaForCausalLM:
                          attn_implementation=attention)
     model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # torch.compile breaks the graph in transformers 5.25's checkpointed layers without it (docs/limits.md)
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     return model.train()
 
 

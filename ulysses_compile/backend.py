@@ -16,6 +16,7 @@ from .compat import (
     aot_autograd,
     boxed_nop,
     bucket_and_prefetch_zero_gathers,
+    checkpointed_side_effect_break,
     compile_fx,
     graph_break_reason,
     list_mode_options,
@@ -85,6 +86,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         data_parallel=_data_parallel(opts),
         outputs_to_caller=returns_to_compile_caller(gm),
         graph_break=graph_break_reason(gm),
+        checkpointed_side_effect_break=checkpointed_side_effect_break(),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

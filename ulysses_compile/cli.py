@@ -10,7 +10,7 @@ explain  traces and rewrites the model for P ranks in this process (simulated ra
          --seq-len N calls FACTORY(seq_len=N), --zero-stage K plans parallelize(zero_stage=K),
          --max-memory 80GiB adds the longest sequence whose step fits.
 verify   launches P CPU (gloo) ranks; each runs one forward and backward compiled with
-         backend="ulysses" and eagerly, and compares every output and parameter gradient. Prints a
+         ``parallelize(model, zero_stage=0)`` (backend="ulysses") and eagerly, and compares every output and parameter gradient. Prints a
          table of max abs / relative errors; exits 1 on a mismatch, 2 if a rank failed.
 """
 
@@ -30,6 +30,7 @@ import torch
 
 from .errors import UlyssesError
 from .verify import RTOL, compare, differentiable_scalar, named_tensors
+from .zero import parallelize
 
 FACTORY_HELP = "FILE.py:FACTORY, where FACTORY() returns (model, args, kwargs)"
 
@@ -127,7 +128,7 @@ def _verify_rank(rank: int, world_size: int, port: int, arguments, results) -> N
     try:
         model, args, kwargs = build(arguments.factory)
         eager = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="ulysses", options={"compiler": arguments.compiler})
+        compiled = parallelize(model, zero_stage=0, compiler=arguments.compiler)
         started = time.perf_counter()
         output = compiled(*args, **kwargs)
         _backward(output)

@@ -46,6 +46,8 @@ __all__ = [
     "register_fake_backend",
     "returns_to_compile_caller",
     "graph_break_reason",
+    "checkpointed_side_effect_break",
+    "checkpointed_side_effects_traced",
     "make_boxed_func",
     "op_name",
     "parameter_slots",
@@ -285,6 +287,29 @@ def graph_break_reason(gm) -> str:
     if reason is None or not reason.graph_break:
         return ""
     return reason.reason.strip().splitlines()[0] if reason.reason.strip() else "a graph break"
+
+
+CHECKPOINTED_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def checkpointed_side_effect_break() -> str:
+    """The first line of a graph break Dynamo recorded in this process at Python state mutated inside a
+    higher-order op (a checkpointed region), "" if none: the code around it then runs outside the compiled
+    graphs, and the graphs compiled after it do not carry the reason."""
+    for reason in dynamo_counters["graph_break"]:
+        first = reason.strip().splitlines()[0] if reason.strip() else ""
+        if first.startswith("HOP:") and "side effect" in first:
+            return first
+    return ""
+
+
+def checkpointed_side_effects_traced():
+    """A context in which Dynamo traces a checkpointed region whose Python code mutates state from
+    outside it into the graph rather than breaking the graph there: the mutation runs once, in the
+    forward, where eager checkpointing would run it again in the backward's recomputation. transformers
+    5.25's kernel hub sets and restores a context variable in every attention call, so without it every
+    checkpointed decoder layer leaves the graph."""
+    return torch._dynamo.config.patch(**{CHECKPOINTED_SIDE_EFFECTS: True})
 
 
 def returns_to_compile_caller(gm) -> bool:

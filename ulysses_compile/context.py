@@ -21,6 +21,7 @@ class PassContext:
     data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
     outputs_to_caller: bool = False  # the graph's outputs go straight to the torch.compile caller (compat)
     graph_break: str = ""  # why Dynamo ended the graph at a graph break, "" at a return (compat)
+    checkpointed_side_effect_break: str = ""  # a graph break Dynamo recorded inside a checkpointed region (compat)
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:

@@ -69,7 +69,8 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     ``world_size`` sequence-parallel ranks, without launching them. The memory estimate counts
     ``optimizer_states`` tensors the size of each trainable parameter (AdamW and Adam: 2; SGD with
     momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
-    function of the sequence length (``report.memory.at({symbol: length})``, ``.longest``)."""
+    function of the sequence length (``report.memory.at({symbol: length})``, ``.longest``). The model is
+    traced as ``parallelize`` traces it: a checkpointed region that mutates Python state is traced whole."""
     if not isinstance(world_size, int) or world_size < 2:
         raise UlyssesError(f"explain(world_size={world_size!r}): expected the number of ranks to simulate, 2 or more")
     if not 0 <= rank < world_size:

@@ -63,6 +63,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
         report.replicated = _why_replicated(detection, ctx.world_size)
+        if not detection.sites and ctx.checkpointed_side_effect_break:
+            report.notes.append(_broken_checkpointed_region(ctx.checkpointed_side_effect_break))
+            _warn_once(report.notes[-1])
         if not report.replicated:
             _split(gm, ctx, detection.sites, report)
     if report.replicated:
@@ -110,6 +113,17 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, insert_all_to_all, gm, ctx, sites)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
+
+
+def _broken_checkpointed_region(reason: str) -> str:
+    """Why a graph has no attention when Dynamo could not trace a checkpointed region, and the fix."""
+    return (f"Dynamo broke the graph inside a checkpointed region whose Python code mutates state from "
+            f"outside it (Dynamo: {reason}; transformers 5.25's kernel hub does this in every attention call), "
+            f"so the region runs outside the compiled graphs, on the whole sequence on every rank, and its attention is "
+            f"not parallelized. parallelize() and explain() trace such regions whole; with torch.compile, set "
+            f"torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first call "
+            f"(the mutation then runs once a step, where eager checkpointing runs it again in the backward's "
+            f"recomputation)")
 
 
 def _gathered_at_a_graph_break(reason: str) -> str:

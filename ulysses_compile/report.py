@@ -14,12 +14,14 @@ from .memory import StepMemory
 
 
 def module_path(node: fx.Node) -> str:
-    """The module a node belongs to (a backward node: the module of the forward op it derives from)."""
+    """The module a node belongs to (a backward node: the module of the forward op it derives from).
+    Modules reached through a module-level global (``G[...]``: a kernel hub's wrapper of a function,
+    transformers 5.25's rotary embedding) are not the model's, so the innermost of the model's is."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
+    paths = [path for path, _cls in stack.values() if not path.startswith("G[")]
+    if not paths:
         return ""
-    path, _cls = list(stack.values())[-1]
-    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'].model.layers.0 -> model.layers.0
+    return re.sub(r"^L(\[[^\]]*\])+\.?", "", paths[-1])  # L['self'].model.layers.0 -> model.layers.0
 
 
 def layer_of(path: str) -> str | None:

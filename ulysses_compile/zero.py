@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
-from .compat import parameter_slots
+from .compat import checkpointed_side_effects_traced, parameter_slots
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 from .sharding import SHARDS, shard_rows
@@ -90,7 +90,9 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
     it compiled with the ulysses backend and ``options``. Build the optimizer afterwards, from the
     returned model. ``param_dtype`` (mixed precision): gather and compute parameters in this dtype while
     the shards, gradients and optimizer state keep theirs; ``reduce_dtype``: the gradients' reduce-scatter
-    dtype (default ``param_dtype``)."""
+    dtype (default ``param_dtype``). Checkpointed regions whose Python code mutates state from outside
+    them (transformers 5.25's decoder layers) are traced whole: the mutation runs once a step, not again
+    in the backward's recomputation."""
     return compile_partitioned(model, "ulysses", zero_stage=zero_stage, group=group, mesh=mesh,
                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, options=options)
 
@@ -134,6 +136,10 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
     dynamic = True if options.get("verify") == "short" else dynamic
     compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
                 else torch.compile(model, backend=backend, dynamic=dynamic))
+    traced_whole = checkpointed_side_effects_traced()
+    compiled.register_forward_pre_hook(lambda module, args: traced_whole.__enter__())
+    compiled.register_forward_hook(lambda module, args, output: traced_whole.__exit__(None, None, None),
+                                   always_call=True)
     if places:
         shards = _LocalShards(places, zero_group.size())
         compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))
