@@ -11,8 +11,9 @@ training step (forward, backward, AdamW step). Configurations, each in fresh pro
 
 - one:             one process, ``torch.compile`` (aot_eager, as all compiled rows here, to keep the
                    many compiles of a search short);
-- ulysses:         P ranks, ``backend="ulysses"`` with the options a README user has (the logits
-                   gathered only when read, the loss over them in chunks of rows);
+- ulysses:         P ranks, ``parallelize(zero_stage=0)`` (``backend="ulysses"`` with the options a
+                   README user has: the logits gathered only when read, the loss over them in chunks
+                   of rows);
 - ulysses_memory:  P ranks, every memory option on: ``parallelize(zero_stage=3)`` (parameters,
                    gradients and AdamW state in 1/P as well);
 - deepspeed:       P ranks, DeepSpeed's ``DistributedAttention`` in eager, fed each rank's block, its
@@ -62,8 +63,6 @@ def build_model(seq_len: int, attention: str = "sdpa") -> LlamaForCausalLM:
                          attn_implementation=attention)
     model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # torch.compile breaks the graph in transformers 5.25's checkpointed layers without it (docs/limits.md)
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     return model.train()
 
 
@@ -87,7 +86,9 @@ def one_process(seq_len: int, world_size: int, rank: int):
 
 
 def ulysses(seq_len: int, world_size: int, rank: int):
-    model = torch.compile(build_model(seq_len), backend="ulysses", options={"compiler": "aot_eager"})
+    import ulysses_compile
+
+    model = ulysses_compile.parallelize(build_model(seq_len), zero_stage=0, compiler="aot_eager")
     return compiled_step(model, token_ids(seq_len))
 
 

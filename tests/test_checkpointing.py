@@ -24,10 +24,15 @@ import nanogpt
 from graphs import reporting_backend
 from models import token_batch, tiny_llama
 from multirank import compare_model, run_ranks
-from ulysses_compile import explain
+from ulysses_compile import explain, parallelize
 from ulysses_compile.backend import ulysses
 from ulysses_compile.collectives import heads_to_seq, seq_to_heads_qkv
-from ulysses_compile.compat import checkpointed_side_effects_traced, run_and_get_code
+from ulysses_compile.compat import (
+    CHECKPOINTED_SIDE_EFFECTS,
+    checkpointed_side_effects_traced,
+    dynamo_counters,
+    run_and_get_code,
+)
 
 LAYERS = 2
 
@@ -121,13 +126,20 @@ def test_the_use_cache_graph_break_under_checkpointing_is_reported_with_its_fix(
 def test_a_checkpointed_region_that_mutates_state_is_traced_whole(make):
     """Dynamo cannot replay a Python side effect in the backward's recomputation, so by default it breaks
     the graph inside such a region and runs the region outside the compiled graphs: unsharded. explain
-    and parallelize trace it whole (the side effect then runs once a step)."""
+    and parallelize trace it whole (the side effect then runs once per call), and leave Dynamo's setting
+    as they found it, also when the call fails."""
     model, args, kwargs = make(recording=True)
     report = explain(model, *args, world_size=2, **kwargs)
     assert not report.graph_breaks and len(report.graphs) == 1 and not report.graphs[0].replicated
     assert len(report.attention_sites) == LAYERS
     totals = report.totals()
     assert totals[("forward", "all_to_all")][0] == 2 * LAYERS and totals[("backward", "all_to_all")][0] == 4 * LAYERS
+    assert not getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS)
+    floats = [value.float() if isinstance(value, torch.Tensor) else value for value in args]
+    with pytest.raises(RuntimeError, match="Long"):  # the embedding refuses float token ids
+        parallelize(model, zero_stage=0)(*floats, **{name: value.float() if isinstance(value, torch.Tensor)
+                                                     else value for name, value in kwargs.items()})
+    assert not getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS)
 
 
 def test_a_graph_break_in_a_checkpointed_region_under_torch_compile_is_reported_with_its_fix(fake_group, caplog):
@@ -139,18 +151,22 @@ def test_a_graph_break_in_a_checkpointed_region_under_torch_compile_is_reported_
     fake_group(2)
     model, args, kwargs = checkpointed_llama(recording=True)
     reports = []
-    with caplog.at_level(logging.WARNING, logger="ulysses_compile"):
-        torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
-    assert reports and not any(report.attention_sites for report in reports)
-    warned = [r.getMessage() for r in caplog.records if "inside a checkpointed region" in r.getMessage()]
-    assert len(warned) == 1 and "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in warned[0], warned
-    assert all(warned[0].removeprefix("ulysses_compile: ") in report.notes for report in reports)
-    torch.compiler.reset()
-    reports.clear()
-    with checkpointed_side_effects_traced():
-        torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
-    (report,) = reports
-    assert len(report.attention_sites) == LAYERS and not report.replicated
+    try:
+        with caplog.at_level(logging.WARNING, logger="ulysses_compile"):
+            torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
+        assert reports and not any(report.attention_sites for report in reports)
+        warned = [r.getMessage() for r in caplog.records if "inside a higher-order op" in r.getMessage()]
+        assert len(warned) == 1 and f"{CHECKPOINTED_SIDE_EFFECTS} = True" in warned[0], warned
+        assert all(warned[0].removeprefix("ulysses_compile: ") in report.notes for report in reports)
+        torch.compiler.reset()
+        reports.clear()
+        with checkpointed_side_effects_traced():
+            torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
+        (report,) = reports
+        assert len(report.attention_sites) == LAYERS and not report.replicated
+        assert not any("higher-order op" in note for note in report.notes), report.notes
+    finally:
+        dynamo_counters.clear()  # the break would be reported again by later graphs of this process
 
 
 class Block(nn.Module):

@@ -10,8 +10,9 @@ explain  traces and rewrites the model for P ranks in this process (simulated ra
          --seq-len N calls FACTORY(seq_len=N), --zero-stage K plans parallelize(zero_stage=K),
          --max-memory 80GiB adds the longest sequence whose step fits.
 verify   launches P CPU (gloo) ranks; each runs one forward and backward compiled with
-         ``parallelize(model, zero_stage=0)`` (backend="ulysses") and eagerly, and compares every output and parameter gradient. Prints a
-         table of max abs / relative errors; exits 1 on a mismatch, 2 if a rank failed.
+         ``parallelize(model, zero_stage=0)`` (backend="ulysses") and eagerly, and compares every
+         output and parameter gradient. Prints a table of max abs / relative errors; exits 1 on a
+         mismatch, 2 if a rank failed.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ __all__ = [
     "register_fake_backend",
     "returns_to_compile_caller",
     "graph_break_reason",
+    "CHECKPOINTED_SIDE_EFFECTS",
     "checkpointed_side_effect_break",
     "checkpointed_side_effects_traced",
     "make_boxed_func",
@@ -294,8 +295,11 @@ CHECKPOINTED_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 def checkpointed_side_effect_break() -> str:
     """The first line of a graph break Dynamo recorded in this process at Python state mutated inside a
-    higher-order op (a checkpointed region), "" if none: the code around it then runs outside the compiled
-    graphs, and the graphs compiled after it do not carry the reason."""
+    higher-order op (a checkpointed region), "" if none or if such regions are now traced whole: the code
+    around the break runs outside the compiled graphs, and the graphs compiled after it do not carry the
+    reason."""
+    if getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS):
+        return ""
     for reason in dynamo_counters["graph_break"]:
         first = reason.strip().splitlines()[0] if reason.strip() else ""
         if first.startswith("HOP:") and "side effect" in first:
@@ -305,10 +309,10 @@ def checkpointed_side_effect_break() -> str:
 
 def checkpointed_side_effects_traced():
     """A context in which Dynamo traces a checkpointed region whose Python code mutates state from
-    outside it into the graph rather than breaking the graph there: the mutation runs once, in the
-    forward, where eager checkpointing would run it again in the backward's recomputation. transformers
-    5.25's kernel hub sets and restores a context variable in every attention call, so without it every
-    checkpointed decoder layer leaves the graph."""
+    outside it into the graph rather than breaking the graph there: the mutation runs once per call,
+    where eager checkpointing runs it again in the backward's recomputation. transformers 5.25's kernel
+    hub sets and restores a context variable in every attention call, so without it every checkpointed
+    decoder layer leaves the graph."""
     return torch._dynamo.config.patch(**{CHECKPOINTED_SIDE_EFFECTS: True})
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .collectives import COLLECTIVES
-from .compat import CompileContext, trace_structured
+from .compat import CHECKPOINTED_SIDE_EFFECTS, CompileContext, trace_structured
 from .context import PassContext
 from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
@@ -117,13 +117,13 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
 
 def _broken_checkpointed_region(reason: str) -> str:
     """Why a graph has no attention when Dynamo could not trace a checkpointed region, and the fix."""
-    return (f"Dynamo broke the graph inside a checkpointed region whose Python code mutates state from "
-            f"outside it (Dynamo: {reason}; transformers 5.25's kernel hub does this in every attention call), "
-            f"so the region runs outside the compiled graphs, on the whole sequence on every rank, and its attention is "
-            f"not parallelized. parallelize() and explain() trace such regions whole; with torch.compile, set "
-            f"torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first call "
-            f"(the mutation then runs once a step, where eager checkpointing runs it again in the backward's "
-            f"recomputation)")
+    return (f"Dynamo broke a graph at Python state mutated inside a higher-order op ({reason}), as in a "
+            f"checkpointed region such as transformers 5.25's decoder layers (its kernel hub sets a context "
+            f"variable in every attention call): the region runs outside the compiled graphs, on the whole "
+            f"sequence on every rank, and its attention is not parallelized. parallelize() and explain() "
+            f"trace such regions whole; with torch.compile, set torch._dynamo.config."
+            f"{CHECKPOINTED_SIDE_EFFECTS} = True before the first call (the mutation then runs once per "
+            f"call, where eager checkpointing runs it again in the backward's recomputation)")
 
 
 def _gathered_at_a_graph_break(reason: str) -> str:

@@ -16,7 +16,8 @@ from .memory import StepMemory
 def module_path(node: fx.Node) -> str:
     """The module a node belongs to (a backward node: the module of the forward op it derives from).
     Modules reached through a module-level global (``G[...]``: a kernel hub's wrapper of a function,
-    transformers 5.25's rotary embedding) are not the model's, so the innermost of the model's is."""
+    transformers 5.25's rotary embedding) are passed over for the innermost module reached from the
+    model."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     paths = [path for path, _cls in stack.values() if not path.startswith("G[")]
     if not paths:

@@ -91,8 +91,8 @@ def parallelize(model: nn.Module, *, zero_stage: int, group=None, mesh=None, par
     returned model. ``param_dtype`` (mixed precision): gather and compute parameters in this dtype while
     the shards, gradients and optimizer state keep theirs; ``reduce_dtype``: the gradients' reduce-scatter
     dtype (default ``param_dtype``). Checkpointed regions whose Python code mutates state from outside
-    them (transformers 5.25's decoder layers) are traced whole: the mutation runs once a step, not again
-    in the backward's recomputation."""
+    them (transformers 5.25's decoder layers) are traced whole: the mutation runs once per call, not
+    again in the backward's recomputation."""
     return compile_partitioned(model, "ulysses", zero_stage=zero_stage, group=group, mesh=mesh,
                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, options=options)
 
@@ -136,10 +136,7 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
     dynamic = True if options.get("verify") == "short" else dynamic
     compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
                 else torch.compile(model, backend=backend, dynamic=dynamic))
-    traced_whole = checkpointed_side_effects_traced()
-    compiled.register_forward_pre_hook(lambda module, args: traced_whole.__enter__())
-    compiled.register_forward_hook(lambda module, args, output: traced_whole.__exit__(None, None, None),
-                                   always_call=True)
+    compiled.forward = _tracing_checkpointed_regions_whole(compiled.forward)
     if places:
         shards = _LocalShards(places, zero_group.size())
         compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))
@@ -151,6 +148,20 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
         model.register_forward_hook(lambda module, args, output: None if torch.compiler.is_compiling()
                                     else shards.hide(model), always_call=True)
     return compiled
+
+
+def _tracing_checkpointed_regions_whole(forward):
+    """``forward`` with Dynamo tracing checkpointed regions whose Python code mutates state into the
+    graph; inside an outer ``torch.compile`` the setting is the outer caller's."""
+
+    @functools.wraps(forward)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        with checkpointed_side_effects_traced():
+            return forward(*args, **kwargs)
+
+    return call
 
 
 class _LocalShards:
