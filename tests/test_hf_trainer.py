@@ -64,14 +64,17 @@ def test_trainer_on_dp2_x_sp2_trains_as_one_process(tmp_path):
 @pytest.mark.slow
 def test_trainer_mixed_precision_is_the_one_process_autocast(tmp_path):
     """bf16: the two ranks train as one process under the same autocast: every step's loss is within
-    bf16 rounding (3e-2) of the one-process bf16 run's, and ten times closer to it than to fp32
-    training's (so autocast is on in the ranks; bf16 moves this tiny model's losses by about 1e-5)."""
+    bf16 rounding (3e-2) of the one-process bf16 run's, and the first step's (the same weights: the
+    forward under autocast and nothing else yet) ten times closer to it than to fp32 training's, so
+    autocast is on in the ranks (bf16 moves this tiny model's loss by about 7e-5). Later steps follow
+    weights that bf16 gradients moved, compiled on one side and eager on the other, each by noise of that
+    size."""
     plain = _run(tmp_path / "plain", 1, "--plain", "--gradient-accumulation-steps", "2", "--bf16")
     parallel = _run(tmp_path / "parallel", 2, "--bf16", "--zero-stage", "0")
     _assert_same_training(parallel, plain, rtol=3e-2)
     fp32 = _run(tmp_path / "fp32", 1, "--plain", "--gradient-accumulation-steps", "2")
-    for mine, bf16, full in zip(parallel["train"], plain["train"], fp32["train"], strict=True):
-        assert 10 * abs(mine["loss"] - bf16["loss"]) < abs(mine["loss"] - full["loss"]), (mine, bf16, full)
+    mine, bf16, full = (run["train"][0]["loss"] for run in (parallel, plain, fp32))
+    assert 10 * abs(mine - bf16) < abs(mine - full), (mine, bf16, full)
 
 
 def test_trainer_refuses_checkpoints_it_could_not_resume(tmp_path):
