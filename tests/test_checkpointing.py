@@ -335,7 +335,7 @@ def checkpointed_zero_trains_like_eager(rank, world_size, stage, recording, fold
     import pathlib
 
     from multirank import assert_close
-    from ulysses_compile import full_state_dict, parallelize
+    from ulysses_compile import full_state_dict
 
     # MLP rows of 50 and 49: rank 1's shards are padded
     model, _, _ = checkpointed_llama(intermediate_size=99, recording=recording)
