@@ -287,7 +287,11 @@ def graph_break_reason(gm) -> str:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not reason.graph_break:
         return ""
-    return reason.reason.strip().splitlines()[0] if reason.reason.strip() else "a graph break"
+    return _first_line(reason.reason) or "a graph break"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 CHECKPOINTED_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
@@ -300,10 +304,9 @@ def checkpointed_side_effect_break() -> str:
     reason."""
     if getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS):
         return ""
-    for reason in dynamo_counters["graph_break"]:
-        first = reason.strip().splitlines()[0] if reason.strip() else ""
-        if first.startswith("HOP:") and "side effect" in first:
-            return first
+    for reason in map(_first_line, dynamo_counters["graph_break"]):
+        if reason.startswith("HOP:") and "side effect" in reason:
+            return reason
     return ""
 
 
