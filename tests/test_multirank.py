@@ -385,6 +385,7 @@ def dropout_blocks(rank, world_size):
     out = torch.compile(DropoutAfterAttention(), backend="ulysses", options={"compiler": "aot_eager"})(x)
     out.sum().backward()
     kept = out.detach() != 0
+    # ones times the kept mask's scale (1 + 0 * attention is exactly 1): exact by construction
     assert torch.equal(out.detach()[kept], torch.full_like(out.detach()[kept], 1 / 0.75))
     assert torch.equal(x.grad, out.detach())  # forward and backward use the same mask
     blocks = out.detach().view(world_size, -1)

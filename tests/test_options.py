@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nanogpt
+from multirank import assert_close, compare_model
 from ulysses_compile import Options, OptionsError
 
 
@@ -62,7 +63,8 @@ def test_one_rank_runs_plainly_with_an_info_line(fake_group, caplog):
     want_logits, want_loss = model(*args, **kwargs)
     with caplog.at_level(logging.INFO, logger="ulysses_compile"):
         logits, loss = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)
-    assert torch.equal(loss, want_loss) and torch.equal(logits, want_logits)
+    assert_close("loss", loss, want_loss)  # AOTAutograd's graph may order the arithmetic otherwise
+    assert_close("logits", logits, want_logits)
     lines = [r.getMessage() for r in caplog.records if r.name == "ulysses_compile"]
     assert len(lines) == 1 and "the process group has 1 rank" in lines[0]
 
@@ -74,7 +76,6 @@ def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_grou
 
     from graphs import rewritten_graphs
     from models import tiny_llama, token_batch
-    from multirank import compare_model
 
     fake_group(1)
     eager = tiny_llama()
@@ -105,7 +106,8 @@ def test_by_name_without_import_and_without_process_group(tmp_path):
         model, args, kwargs = nanogpt.make(seq_len=8)
         want = model(*args, **kwargs)[1]
         got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)[1]
-        assert "ulysses_compile" in sys.modules and torch.equal(got, want), (got, want)
+        assert "ulysses_compile" in sys.modules, sys.modules.keys()
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got, want)
         print("OK")
     """))
     examples = os.path.join(os.path.dirname(__file__), "..", "examples")

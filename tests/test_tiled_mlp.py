@@ -30,7 +30,7 @@ def test_chunks_equal_eager_mlp(activation, rows):
     gate, up, down = weights
     want = F.linear(ACTIVATIONS[activation](F.linear(x, gate)) * F.linear(x, up), down)
     got = runtime.tiled_gated_mlp(x, gate, up, down, activation)
-    assert torch.equal(got, want)
+    assert_close("output", got, want)  # chunked matmuls round as the CPU's BLAS kernel chooses
     grad = torch.randn(want.shape, generator=generator)
     for name, got_grad, want_grad in zip(("x", "gate", "up", "down"), torch.autograd.grad(got, [x, *weights], grad),
                                          torch.autograd.grad(want, [x, *weights], grad)):
