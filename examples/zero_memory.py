@@ -1,4 +1,5 @@
-"""Per-rank memory under ``parallelize`` at each ZeRO stage, against one device, on P CPU ranks.
+"""Per-rank memory under ``parallelize`` at each ZeRO stage and under ``torch.compile`` alone, against one
+device, on P CPU ranks.
 
     python examples/zero_memory.py                  # P = 2
     python examples/zero_memory.py --world-size 4 --seq-len 4096
@@ -25,7 +26,9 @@ after a training step with AdamW:
   all-gathers its code starts while another is in flight (each layer's prefetched during the one before).
 
 "1 device" is the same step compiled for one rank (a group of one, which the backend compiles as its
-inner compiler would). Every row shows the largest figure over the ranks.
+inner compiler would); "torch.compile" is the model compiled with ``torch.compile(model,
+backend="ulysses")`` and no ``parallelize`` (the README's first flow; ZeRO's stage 0 otherwise). Every
+row shows the largest figure over the ranks.
 """
 
 from __future__ import annotations
@@ -187,6 +190,8 @@ def run(rank: int, world_size: int, port: int, args) -> None:
 
     rows = {"1 device": figures(ulysses_compile.parallelize(model(), zero_stage=0, group=alone,
                                                             compiler=args.compiler), args.seq_len, args.vocab)}
+    bare = torch.compile(model(), backend="ulysses", options={"compiler": args.compiler, "outputs": args.outputs})
+    rows["torch.compile"] = figures(bare, args.seq_len, args.vocab)
     for stage in args.stages:
         parallel = ulysses_compile.parallelize(model(), zero_stage=stage, compiler=args.compiler,
                                                outputs=args.outputs)
@@ -201,12 +206,12 @@ def run(rank: int, world_size: int, port: int, args) -> None:
               f"{', activation checkpointing' if args.checkpointing else ''}: the most any rank holds "
               f"after an AdamW step, and its peak memory during one (ratio to one device; 1/P = "
               f"{1 / world_size:.3f})")
-        print(f"{'':>9}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
+        print(f"{'':>13}" + "".join(f"{column:>22}" for column in ("parameters", "gradients", "AdamW state",
                                                                   "step peak")) + f"{'explain estimate':>30}"
               + f"{'collectives':>13}{'gathers prefetched':>20}")
         for name, values in worst.items():
-            estimate = args.estimates.get(name)
-            print(f"{name:>9}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
+            estimate = args.estimates.get("stage 0" if name == "torch.compile" else name)
+            print(f"{name:>13}" + "".join(f"{value / 2**20:>12.1f} MiB ({value / one:.3f})"
                                          for value, one in zip(values, single))
                   + (f"{estimate / 2**20:>12.1f} MiB ({estimate / values[3] - 1:+.1%})" if estimate else f"{'':>30}")
                   + f"{calls[name]:>13}{prefetched[name]:>20}")

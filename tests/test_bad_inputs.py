@@ -175,6 +175,9 @@ class _Records(logging.Handler):
 
 
 def unusual_model_equals_eager(rank, world_size, name, note):
+    from ulysses_compile.compiled_calls import _warn_once
+
+    _warn_once.cache_clear()  # once per process, and the rank's process has served other tests
     model, args = _unusual_model(name)
     reference = copy.deepcopy(model)
     records, logger = _Records(), logging.getLogger("ulysses_compile")
@@ -191,6 +194,8 @@ def unusual_model_equals_eager(rank, world_size, name, note):
     want_loss.backward()
     compare_model(rank, model, reference, {"output": (out, want_out), "loss": (loss, want_loss)})
     assert note is None or any(note in message for message in records.messages), records.messages
+    unparallelized = [message for message in records.messages if "no attention parallelized" in message]
+    assert len(unparallelized) == (rank == 0 and name == "no attention"), records.messages
 
 
 UNUSUAL = [

@@ -66,12 +66,26 @@ def checkpointed_llama(enabled: bool = True, intermediate_size: int | None = Non
     return model, (), {"input_ids": ids, "labels": labels, "use_cache": False}
 
 
+@functools.cache
+def _printing(attention: type) -> type:
+    def forward(self, *args, **kwargs):
+        output = attention.forward(self, *args, **kwargs)
+        print(f"attention output {tuple(output.shape)}")  # Dynamo breaks the graph here
+        return output
+
+    return type(f"Printing{attention.__name__}", (attention,), {"forward": forward})
+
+
 def checkpointed_nanogpt(enabled: bool = True, impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
-                         recording: bool = False):
-    """torch's own wrapper, as FSDP recipes apply it to every block."""
+                         recording: bool = False, printing: bool = False):
+    """torch's own wrapper, as FSDP recipes apply it to every block. ``printing``: each attention prints,
+    a graph break inside the checkpointed region."""
     model, args, kwargs = nanogpt.make(seq_len=64, n_layer=LAYERS)
     if recording:
         record_attention_lengths(model)
+    for module in model.modules() if printing else ():
+        if type(module).__name__.endswith("Attention"):
+            module.__class__ = _printing(type(module))
     if enabled:
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
                                    check_fn=lambda module: isinstance(module, nanogpt.Block))
@@ -167,6 +181,63 @@ def test_a_graph_break_in_a_checkpointed_region_under_torch_compile_is_reported_
         assert not any("higher-order op" in note for note in report.notes), report.notes
     finally:
         dynamo_counters.clear()  # the break would be reported again by later graphs of this process
+
+
+def _dynamo_settings() -> dict:
+    return {key: value for key, value in torch._dynamo.config.get_config_copy().items() if not callable(value)}
+
+
+def test_bare_torch_compile_traces_such_a_region_whole_for_its_own_model_only(fake_group, tmp_path):
+    """``torch.compile(model, backend="ulysses")`` by name, no setting made: Dynamo traces the region
+    whole for this model's calls (the backend's context, entered around each call), and leaves its
+    configuration as it was; a model compiled afterwards by plain torch.compile (Inductor) still breaks
+    its graph there, as torch does without this package."""
+    import pathlib
+
+    fake_group(2)
+    before = _dynamo_settings()
+    dynamo_counters.clear()
+    model, args, kwargs = checkpointed_nanogpt(recording=True)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "eager", "dump_dir": str(tmp_path)})
+    compiled(*args, **kwargs)
+    compiled(*args, **kwargs)  # a cached call enters and leaves the context too
+    assert _dynamo_settings() == before
+    assert not any("side effect" in reason for reason in dynamo_counters["graph_break"])
+    (report,) = pathlib.Path(tmp_path, "rank0").glob("*/report.txt")
+    text = report.read_text()
+    assert f"attention sites: {LAYERS}" in text and f"seq_to_heads_qkv x{LAYERS}" in text, text
+    assert f"heads_to_seq x{LAYERS}" in text and "runs replicated" not in text, text
+
+    plain, args, kwargs = checkpointed_nanogpt(recording=True)
+    torch.compile(plain)(*args, **kwargs)
+    breaks = [reason for reason in dynamo_counters["graph_break"] if "side effect" in reason]
+    assert breaks and _dynamo_settings() == before, breaks
+    dynamo_counters.clear()  # the break would be reported again by later graphs of this process
+
+
+def test_a_call_that_parallelizes_no_attention_says_so_once_on_rank_0(fake_group, caplog):
+    """A graph break inside a checkpointed region: Dynamo runs the whole region eagerly, so no graph of
+    ours holds the attention (the backend may never be called). The call says so, with the break."""
+    from ulysses_compile.compiled_calls import _warn_once
+
+    _warn_once.cache_clear()
+    fake_group(2)
+    model, args, kwargs = checkpointed_nanogpt(printing=True)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "eager"})
+    try:
+        with caplog.at_level(logging.WARNING, logger="ulysses_compile"):
+            compiled(*args, **kwargs)
+            compiled(*args, **kwargs)
+        warned = [r.getMessage() for r in caplog.records if "no attention parallelized" in r.getMessage()]
+        assert len(warned) == 1 and "graph breaks (" in warned[0] and "checkpointed region" in warned[0], warned
+        caplog.clear()
+        fake_group(2, rank=1)
+        with caplog.at_level(logging.WARNING, logger="ulysses_compile"):
+            torch.compile(checkpointed_nanogpt(printing=True)[0], backend="ulysses",
+                          options={"compiler": "eager"})(*args, **kwargs)
+        assert not [r for r in caplog.records if "no attention parallelized" in r.getMessage()]
+    finally:
+        dynamo_counters.clear()
 
 
 class Block(nn.Module):
@@ -279,28 +350,28 @@ def test_selective_checkpointing_is_recomputed_whole_and_reported(fake_group):
     assert "note: " in str(report)
 
 
-def checkpointed_equal_to_eager(rank, world_size, make, compiler):
+def checkpointed_equal_to_eager(rank, world_size, make, compiler, folder):
+    """The README's flow as written: ``torch.compile(model, backend="ulysses")`` by name, no setting made
+    (transformers 5.25's checkpointed layers mutate Python state in every attention call); the report
+    written to ``dump_dir`` shows one graph with every site and its all-to-alls."""
+    import pathlib
+
     model, args, kwargs = make()
     reference = copy.deepcopy(model)
-    reports = []
-
-    def backend(gm, example_inputs):
-        compiled = ulysses(gm, example_inputs, options={"compiler": compiler})
-        reports.append(gm.meta["ulysses_report"])
-        return compiled
 
     def step():
-        with checkpointed_side_effects_traced():  # transformers 5.25's layers: docs/limits.md
-            result = torch.compile(model, backend=backend)(*args, **kwargs)
+        result = torch.compile(model, backend="ulysses", options={"compiler": compiler, "dump_dir": folder})(
+            *args, **kwargs)
         _loss(result).backward()
         return result
 
     got, codes = run_and_get_code(step)
-    (report,) = reports
-    assert len(report.attention_sites) == LAYERS and not report.replicated
-    kinds = [c.kind for c in report.collectives]
-    assert kinds.count("seq_to_heads_qkv") == LAYERS and kinds.count("heads_to_seq") == LAYERS, kinds
-    assert "seq_to_heads" not in kinds and "gather_kv_heads" not in kinds, kinds
+    assert not getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS)
+    (report,) = pathlib.Path(folder, f"rank{rank}").glob("*/report.txt")
+    text = report.read_text()
+    assert f"attention sites: {LAYERS}" in text and "runs replicated" not in text, text
+    assert f"seq_to_heads_qkv x{LAYERS}" in text and f"heads_to_seq x{LAYERS}" in text, text
+    assert "seq_to_heads x" not in text and "gather_kv_heads" not in text, text
     if compiler == "inductor":
         forward, backward = codes
         assert forward.count("all_to_all_single.default(") == 2 * LAYERS
@@ -322,8 +393,8 @@ CASES = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("make,world_size,compiler", CASES)
-def test_checkpointed_models_equal_to_eager(make, world_size, compiler):
-    run_ranks(checkpointed_equal_to_eager, world_size, make, compiler)
+def test_checkpointed_models_equal_to_eager(make, world_size, compiler, tmp_path):
+    run_ranks(checkpointed_equal_to_eager, world_size, make, compiler, str(tmp_path))
 
 
 def checkpointed_zero_trains_like_eager(rank, world_size, stage, recording, folder):
@@ -372,3 +443,23 @@ def checkpointed_zero_trains_like_eager(rank, world_size, stage, recording, fold
 @pytest.mark.parametrize("stage, recording", [(1, False), (3, True)], ids=["1", "3-recording"])
 def test_checkpointing_with_zero_trains_like_eager(stage, recording, tmp_path):
     run_ranks(checkpointed_zero_trains_like_eager, 2, stage, recording, str(tmp_path))
+
+
+def graph_break_in_checkpointed_region_trains_like_eager(rank, world_size, impl):
+    """A graph break inside a checkpointed region of a ZeRO-3 model: Dynamo runs the region eagerly,
+    and the backward recomputes it eagerly, reading the partitioned parameters whole (gathered, as in
+    the forward); loss and every gradient equal eager's."""
+    model, args, kwargs = checkpointed_nanogpt(impl=impl, printing=True)
+    reference = copy.deepcopy(model)
+    compiled = parallelize(model, zero_stage=3, compiler="aot_eager")
+    got = compiled(*args, **kwargs)
+    _loss(got).backward()
+    want = reference(*args, **kwargs)
+    _loss(want).backward()
+    compare_model(rank, model, reference, {"loss": (_loss(got), _loss(want)), "logits": (_logits(got), _logits(want))})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["non-reentrant", "reentrant"])
+def test_a_graph_break_inside_a_checkpointed_region_trains_like_eager_under_zero(impl):
+    run_ranks(graph_break_in_checkpointed_region_trains_like_eager, 2, impl)

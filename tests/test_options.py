@@ -19,7 +19,7 @@ from ulysses_compile import Options, OptionsError
 
 def test_backend_is_registered_by_entry_point():
     names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
-    assert names.get("ulysses") == "ulysses_compile.backend:ulysses"
+    assert names.get("ulysses") == "ulysses_compile.entry_point:ulysses"
     assert "ulysses" in torch._dynamo.list_backends(exclude_tags=())
 
 

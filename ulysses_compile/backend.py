@@ -27,6 +27,7 @@ from .compat import (
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
 from .collectives import gather_parameter
+from .compiled_calls import CompiledCall
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -50,6 +51,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         )
         for note in one_rank_rewrites(gm):
             log.info("ulysses_compile: %s", note)
+        CompiledCall.count(0, 1)
         return inner_compile(gm, example_inputs, opts.compiler, mode)
     _check_one_device(gm, example_inputs)
     refuse_dtensor_inputs(input_names(gm), example_inputs)
@@ -65,6 +67,9 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified(compiled, original, gm, ctx)
     compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
     return guarded(compiled, expected, group, ctx.rank, graph_name, check)
+
+
+ulysses.backend_ctx_ctor = CompiledCall
 
 
 def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str) -> InputCheck:
@@ -89,6 +94,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
     )
     report = run_pipeline(gm, ctx)
+    CompiledCall.count(0 if report.replicated else len(report.attention_sites), ctx.world_size)
     gm.meta["ulysses_report"] = report
     return ctx, report
 

@@ -46,12 +46,15 @@ __all__ = [
     "register_fake_backend",
     "returns_to_compile_caller",
     "graph_break_reason",
+    "first_line",
     "CHECKPOINTED_SIDE_EFFECTS",
     "checkpointed_side_effect_break",
     "checkpointed_side_effects_traced",
+    "honour_backend_contexts",
     "make_boxed_func",
     "op_name",
     "parameter_slots",
+    "running_backward",
     "real_tensors",
     "recompute_region",
     "bind_symbols",
@@ -75,6 +78,7 @@ __all__ = [
     "tree_map",
 ]
 
+import functools  # noqa: E402
 import itertools  # noqa: E402
 
 import torch  # noqa: E402
@@ -281,16 +285,21 @@ def parameter_slots(module: torch.nn.Module) -> dict:
     return module._parameters
 
 
+def running_backward() -> bool:
+    """Whether autograd is running a backward in this thread (a checkpointed region recomputed, a hook)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def graph_break_reason(gm) -> str:
     """The first line of why Dynamo ended the graph being compiled at a graph break; "" where it ended at
     a return."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not reason.graph_break:
         return ""
-    return _first_line(reason.reason) or "a graph break"
+    return first_line(reason.reason) or "a graph break"
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
@@ -304,7 +313,7 @@ def checkpointed_side_effect_break() -> str:
     reason."""
     if getattr(torch._dynamo.config, CHECKPOINTED_SIDE_EFFECTS):
         return ""
-    for reason in map(_first_line, dynamo_counters["graph_break"]):
+    for reason in map(first_line, dynamo_counters["graph_break"]):
         if reason.startswith("HOP:") and "side effect" in reason:
             return reason
     return ""
@@ -317,6 +326,30 @@ def checkpointed_side_effects_traced():
     hub sets and restores a context variable in every attention call, so without it every checkpointed
     decoder layer leaves the graph."""
     return torch._dynamo.config.patch(**{CHECKPOINTED_SIDE_EFFECTS: True})
+
+
+def honour_backend_contexts() -> None:
+    """Make ``torch.compile(fn, backend=B)`` enter ``B.backend_ctx_ctor()`` around every call of the
+    compiled ``fn``, as ``torch._dynamo.optimize(B)`` does. Dynamo reads the attribute from the backend it
+    is given (eval_frame.py), but torch.compile hands it a ``_TorchCompileWrapper`` of ``B`` that drops it
+    (torch 2.13 and 2.14). Backends without the attribute, Inductor's among them, are unaffected; idempotent."""
+    from torch._dynamo import eval_frame
+
+    lookup = eval_frame.get_compiler_fn
+    if getattr(lookup, "forwards_backend_context", False):
+        return
+
+    @functools.wraps(lookup)
+    def get_compiler_fn(compiler_fn):
+        wrapped = lookup(compiler_fn)
+        if isinstance(compiler_fn, torch._TorchCompileWrapper) and not hasattr(wrapped, "backend_ctx_ctor"):
+            context = getattr(compiler_fn.compiler_fn, "backend_ctx_ctor", None)
+            if context is not None:
+                wrapped.backend_ctx_ctor = context
+        return wrapped
+
+    get_compiler_fn.forwards_backend_context = True
+    eval_frame.get_compiler_fn = get_compiler_fn
 
 
 def returns_to_compile_caller(gm) -> bool:

@@ -43,7 +43,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
-from .compat import checkpointed_side_effects_traced, parameter_slots
+from .backend import ulysses
+from .compat import honour_backend_contexts, parameter_slots, running_backward
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 from .sharding import SHARDS, shard_rows
@@ -66,7 +67,11 @@ class _Gather:
     def __call__(self, module: nn.Module) -> torch.Tensor:
         local = module.__dict__[SHARDS].get(self.name)
         if local is None:
-            return parameter_slots(module)[self.name]  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
+            param = parameter_slots(module)[self.name]
+            if running_backward():  # an eager checkpointed region recomputed (a graph break inside it)
+                full = param.full_tensor()
+                return full if self.param_dtype is None else full.to(self.param_dtype)
+            return param  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
         return gather_parameter(local, self.shape, self.group_name, self.group_size, self.regather_in_backward,
                                 self.param_dtype, self.reduce_dtype)
 
@@ -134,9 +139,11 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
     model._ulysses_zero_stage = zero_stage
     # verify="short" runs the program at a short length: the length must be symbolic from the first call.
     dynamic = True if options.get("verify") == "short" else dynamic
+    honour_backend_contexts()
+    if not isinstance(backend, str):  # explain's: it traces what "ulysses" would
+        backend.backend_ctx_ctor = ulysses.backend_ctx_ctor
     compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
                 else torch.compile(model, backend=backend, dynamic=dynamic))
-    compiled.forward = _tracing_checkpointed_regions_whole(compiled.forward)
     if places:
         shards = _LocalShards(places, zero_group.size())
         compiled.register_forward_pre_hook(lambda module, args: shards.expose(compiled))
@@ -148,20 +155,6 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
         model.register_forward_hook(lambda module, args, output: None if torch.compiler.is_compiling()
                                     else shards.hide(model), always_call=True)
     return compiled
-
-
-def _tracing_checkpointed_regions_whole(forward):
-    """``forward`` with Dynamo tracing checkpointed regions whose Python code mutates state into the
-    graph; inside an outer ``torch.compile`` the setting is the outer caller's."""
-
-    @functools.wraps(forward)
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return forward(*args, **kwargs)
-        with checkpointed_side_effects_traced():
-            return forward(*args, **kwargs)
-
-    return call
 
 
 class _LocalShards:

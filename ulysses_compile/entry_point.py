@@ -1,0 +1,11 @@
+"""What torch loads for ``torch.compile(model, backend="ulysses")``: the ``torch_dynamo_backends`` entry
+point. Loading it makes torch.compile enter the backend's context around each call of a compiled model
+(``compat.honour_backend_contexts``), which torch.compile otherwise drops; the package itself does not
+import this module, so ``import ulysses_compile`` changes nothing in torch."""
+
+from .backend import ulysses
+from .compat import honour_backend_contexts
+
+honour_backend_contexts()
+
+__all__ = ["ulysses"]
