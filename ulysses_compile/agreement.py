@@ -17,6 +17,7 @@ graph goes through :func:`guarded`:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -108,8 +109,9 @@ class InputCheck:
     ``DistributedSampler``, HF Trainer or accelerate hand each rank its own batch, and each rank would
     then slice its block out of another sequence and train on the mix.
 
-    Each call, a fingerprint of every user input (its number of elements, the sum of its values and a
-    position-weighted sum; for floating inputs also the sum of magnitudes) goes into one all-reduce over
+    Each call, a fingerprint of every user input (its number of elements, the sum of its values and two
+    sums weighted by pseudo-random weights of the positions, so reordered values do not collide; for
+    floating inputs also the sum of magnitudes) goes into one all-reduce over
     the group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
     waits for the result, so a mixed first batch never runs. Later calls leave it in flight and compare
     it at the next call (on a GPU, the result is copied to pinned memory behind an event, so the host
@@ -134,7 +136,7 @@ class InputCheck:
         for index, value in enumerate(args[position] for position in self.positions):
             fingerprint, floating = _fingerprint(value)
             magnitude = len(entries) + 1 if floating else None
-            meaning += [(index, None if slot == 0 else magnitude, _PERIOD if slot == 3 else 1)
+            meaning += [(index, None if slot == 0 else magnitude, _FLOAT_WEIGHT if slot >= 3 else 1)
                         for slot in range(len(fingerprint))]
             entries += fingerprint
         if not entries:
@@ -179,13 +181,56 @@ class InputCheck:
             )
 
 
-_PERIOD = 1021  # position weights cycle through 1..1021
+_BLOCK = 1 << 16  # elements weighted by one row of the weight table
 _CHUNK = 1 << 22  # elements converted at a time, so a large input costs no full-size copy
+_FLOAT_WEIGHT = 4.0  # the largest weight of a floating input's weighted sums (two factors in [1, 2))
+_MASK_52 = (1 << 52) - 1  # a hash folded to 52 bits is exact in float64, the all-reduce's dtype
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (products wrap as uint64 would; shifts made logical)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+@functools.cache
+def _weights(device: torch.device) -> torch.Tensor:
+    """Two pseudo-random int64 weights per position of a block, ``[BLOCK, 2]``, the same on every rank."""
+    return _mix(torch.arange(2 * _BLOCK, dtype=torch.int64, device=device)).view(2, _BLOCK).t()
+
+
+def _block_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
+    """Two pseudo-random int64 weights per block, ``[count, 2]``, unlike any of ``_weights``."""
+    return _mix(torch.arange(2 * first, 2 * (first + count), dtype=torch.int64, device=device) + (1 << 40)).view(count, 2)
+
+
+def _unit(hashes: torch.Tensor) -> torch.Tensor:
+    """Hashes as float64 weights in [1, 2)."""
+    return 1.0 + (hashes & _MASK_52).double() / (1 << 52)
+
+
+def _weighted_sums(chunk: torch.Tensor, first_block: int) -> torch.Tensor:
+    """Two independent sums, ``[2]``, of a chunk's elements (float64 or int64, starting at block
+    ``first_block``) times pseudo-random weights of their positions: position i's, a weight of
+    i mod BLOCK times one of i // BLOCK, so a swap, a reversal or a permutation of rows changes them,
+    unlike a sum with weights that repeat or grow linearly. int64: exact, products and sums wrapping
+    alike on every rank; float64: weights in [1, 4), compared within a tolerance."""
+    floating = chunk.is_floating_point()
+    table, whole = _weights(chunk.device), chunk.numel() // _BLOCK
+    blocks = chunk[:whole * _BLOCK].view(whole, _BLOCK)
+    tail = chunk[whole * _BLOCK:]
+    outer = _block_weights(first_block, whole + 1, chunk.device)
+    if floating:
+        table, outer = _unit(table), _unit(outer)
+        return ((blocks @ table) * outer[:whole]).sum(0) + (tail @ table[:tail.numel()]) * outer[whole]
+    inner = torch.cat([(blocks.unsqueeze(-1) * table).sum(1), (tail.unsqueeze(-1) * table[:tail.numel()]).sum(0, keepdim=True)])
+    return (inner * outer).sum(0)
 
 
 def _fingerprint(value) -> tuple[list[torch.Tensor], bool]:
     """0-d tensors that are equal for equal inputs: number of elements, (floating: sum of magnitudes,)
-    sum and position-weighted sum; and whether the input is floating."""
+    sum and two position-weighted sums (``_weighted_sums``); and whether the input is floating."""
     if isinstance(value, (bool, int, float)):
         return [torch.tensor(float(value), dtype=torch.float64)], False
     if not isinstance(value, torch.Tensor) or isinstance(value, GatheredOnUse):
@@ -193,12 +238,13 @@ def _fingerprint(value) -> tuple[list[torch.Tensor], bool]:
     flat = value.detach().reshape(-1)
     floating = flat.is_floating_point()
     dtype = torch.float64 if floating else torch.int64
-    total = weighted = magnitude = torch.zeros((), dtype=dtype, device=flat.device)
+    total = magnitude = torch.zeros((), dtype=dtype, device=flat.device)
+    weighted = torch.zeros(2, dtype=dtype, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start:start + _CHUNK].to(dtype)
-        weights = torch.arange(start, start + chunk.numel(), dtype=dtype, device=flat.device) % _PERIOD + 1
-        total, weighted = total + chunk.sum(), weighted + (chunk * weights).sum()
+        total, weighted = total + chunk.sum(), weighted + _weighted_sums(chunk, start // _BLOCK)
         if floating:
             magnitude = magnitude + chunk.abs().sum()
     count = torch.tensor(float(flat.numel()), dtype=torch.float64)
-    return ([count, magnitude, total, weighted] if floating else [count, total, weighted]), floating
+    weighted = list(weighted if floating else weighted & _MASK_52)
+    return ([count, magnitude, total, *weighted] if floating else [count, total, *weighted]), floating

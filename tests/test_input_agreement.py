@@ -1,0 +1,96 @@
+"""The per-call check that the ranks pass the same inputs (``agreement.InputCheck``): its fingerprint
+tells reordered values apart (swaps at any distance, reversed or permuted rows, zero-mean rows), and
+ranks whose batches differ only so get a ``RankMismatchError`` before the first call runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models import tiny_llama, token_batch
+from multirank import run_ranks
+from ulysses_compile import RankMismatchError
+from ulysses_compile.agreement import _FLOAT_WEIGHT, _fingerprint
+
+
+def _differ(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether ``InputCheck`` would tell the two inputs apart (floating: beyond its tolerance)."""
+    (one, floating), (other, _) = _fingerprint(first), _fingerprint(second)
+    if not floating:
+        return any(a.item() != b.item() for a, b in zip(one, other))
+    tolerance = 1e-6 * _FLOAT_WEIGHT * one[1].item()
+    return any(abs(a.item() - b.item()) > tolerance for a, b in zip(one, other))
+
+
+def _reordered(value: torch.Tensor, how: str, data) -> torch.Tensor:
+    flat = value.clone().reshape(-1)
+    if how == "swap":  # floating: values apart by more than rounding (the check's tolerance) could explain
+        i = data.draw(st.integers(0, flat.numel() - 2))
+        apart = (flat - flat[i]).abs() > (1.0 if flat.is_floating_point() else 0)
+        candidates = [j for j in apart.nonzero().view(-1).tolist() if j > i]
+        if not candidates:
+            return value
+        j = data.draw(st.sampled_from(candidates))
+        flat[[i, j]] = flat[[j, i]]
+        return flat.view(value.shape)
+    rows = value.reshape(-1, value.shape[-1])
+    if how == "reverse rows":
+        return rows.flip(0).reshape(value.shape)
+    order = data.draw(st.permutations(range(rows.shape[0])).filter(lambda p: list(p) != sorted(p)))
+    return rows[list(order)].reshape(value.shape)
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(data=st.data(), floating=st.booleans(), rows=st.integers(2, 40), width=st.sampled_from([1, 16, 1021, 1024]),
+       how=st.sampled_from(["swap", "reverse rows", "permute rows"]), seed=st.integers(0, 2**16))
+def test_the_fingerprint_tells_reordered_inputs_apart(data, floating, rows, width, how, seed):
+    """Integer inputs: any reordering; floating ones: one beyond rounding (rows of mean zero reordered,
+    two values more than 1 apart swapped)."""
+    generator = torch.Generator().manual_seed(seed)
+    if floating:  # rows of mean zero: their sum is the same wherever they stand
+        value = torch.randn(rows, width, generator=generator)
+        value = value - value.mean(-1, keepdim=True)
+    else:
+        value = torch.randint(0, 32000, (rows, width), generator=generator)
+    reordered = _reordered(value, how, data)
+    if torch.equal(reordered, value):  # (integer data or a permutation of equal rows: the same input)
+        return
+    assert _differ(value, reordered), (how, rows, width)
+    assert not _differ(value, value.clone())
+
+
+def test_the_fingerprint_of_a_swap_at_the_former_weight_period():
+    """input_ids [4, 256] with two tokens 1021 positions apart swapped: the sum weighted by positions
+    modulo 1021 the check used missed it."""
+    ids = torch.randint(0, 32000, (4, 256), generator=torch.Generator().manual_seed(0))
+    swapped = ids.clone().view(-1)
+    swapped[[2, 2 + 1021]] = swapped[[2 + 1021, 2]]
+    assert _differ(ids, swapped.view(4, 256))
+
+
+def reordered_batches_are_refused(rank, world_size):
+    """A batch reordered on one rank, its shape and sums unchanged: refused at the first call."""
+    ids, labels = token_batch(seq=256, batch=4)
+    model = tiny_llama(layers=1)
+    if rank == 1:
+        flat = ids.clone().view(-1)
+        flat[[2, 2 + 1021]] = flat[[2 + 1021, 2]]
+        ids = flat.view(ids.shape)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "eager"})
+    with pytest.raises(RankMismatchError, match=r"different values in input_ids to .*its first call"):
+        compiled(input_ids=ids, labels=labels, use_cache=False)
+    torch.compiler.reset()
+    embeds = torch.randn(2, 32, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    embeds = embeds - embeds.mean(-1, keepdim=True)
+    if rank == 1:
+        embeds = embeds[:, torch.arange(31, -1, -1)]
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "eager"})
+    with pytest.raises(RankMismatchError, match=r"different values in inputs_embeds to .*its first call"):
+        compiled(inputs_embeds=embeds, use_cache=False)
+
+
+@pytest.mark.multirank
+def test_reordered_batches_are_refused_on_every_rank():
+    run_ranks(reordered_batches_are_refused, 2)
