@@ -66,8 +66,9 @@ def test_collectives_are_created_by_the_passes_that_own_them():
 
 def test_importing_the_package_changes_nothing_in_torch():
     script = (
-        "import torch, torch._logging._internal as logs, torch.optim.optimizer as optim\n"
-        "def state(): return dict(logs.log_registry.log_alias_to_log_qnames), len(optim._global_optimizer_pre_hooks)\n"
+        "import torch, torch._logging._internal as logs, torch.optim.optimizer as optim, torch._dynamo.eval_frame as ef\n"
+        "def state(): return (dict(logs.log_registry.log_alias_to_log_qnames), len(optim._global_optimizer_pre_hooks),\n"
+        "                     ef.get_compiler_fn)\n"
         "before = state()\n"
         "import ulysses_compile\n"
         "after = state()\n"

@@ -96,7 +96,8 @@ def test_one_rank_runs_a_transformers_causal_mask_on_the_causal_kernel(fake_grou
 
 
 def test_by_name_without_import_and_without_process_group(tmp_path):
-    """A fresh interpreter that never imports ulysses_compile: the entry point finds the backend."""
+    """A fresh interpreter that never imports ulysses_compile: the entry point finds the backend, and
+    torch.compile enters the backend's context around the calls of its models (not of others)."""
     script = tmp_path / "plain.py"
     script.write_text(textwrap.dedent("""
         import sys
@@ -108,6 +109,15 @@ def test_by_name_without_import_and_without_process_group(tmp_path):
         got = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)[1]
         assert "ulysses_compile" in sys.modules, sys.modules.keys()
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got, want)
+        # the entry point made torch.compile enter the backend's context around each call, and only then
+        seen = []
+        class Reading(torch.nn.Module):
+            def forward(self, x):
+                seen.append(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
+                return x + 1
+        torch.compile(Reading(), backend="ulysses")(torch.ones(2))
+        torch.compile(Reading(), backend="eager")(torch.ones(2))
+        assert seen == [True, False] and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint, seen
         print("OK")
     """))
     examples = os.path.join(os.path.dirname(__file__), "..", "examples")

@@ -27,7 +27,7 @@ from .compat import (
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
 from .collectives import gather_parameter
-from .compiled_calls import CompiledCall
+from .compiled_calls import CompiledCall, counted
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
@@ -51,8 +51,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         )
         for note in one_rank_rewrites(gm):
             log.info("ulysses_compile: %s", note)
-        CompiledCall.count(0, 1)
-        return inner_compile(gm, example_inputs, opts.compiler, mode)
+        return counted(inner_compile(gm, example_inputs, opts.compiler, mode), sites=0, world_size=1)
     _check_one_device(gm, example_inputs)
     refuse_dtensor_inputs(input_names(gm), example_inputs)
     original = copy.deepcopy(gm) if opts.verify else None
@@ -66,7 +65,8 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
     compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
-    return guarded(compiled, expected, group, ctx.rank, graph_name, check)
+    sites = 0 if report.replicated else len(report.attention_sites)
+    return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check), sites, ctx.world_size)
 
 
 ulysses.backend_ctx_ctor = CompiledCall
@@ -94,7 +94,6 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
     )
     report = run_pipeline(gm, ctx)
-    CompiledCall.count(0 if report.replicated else len(report.attention_sites), ctx.world_size)
     gm.meta["ulysses_report"] = report
     return ctx, report
 

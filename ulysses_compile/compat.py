@@ -332,7 +332,9 @@ def honour_backend_contexts() -> None:
     """Make ``torch.compile(fn, backend=B)`` enter ``B.backend_ctx_ctor()`` around every call of the
     compiled ``fn``, as ``torch._dynamo.optimize(B)`` does. Dynamo reads the attribute from the backend it
     is given (eval_frame.py), but torch.compile hands it a ``_TorchCompileWrapper`` of ``B`` that drops it
-    (torch 2.13 and 2.14). Backends without the attribute, Inductor's among them, are unaffected; idempotent."""
+    (torch 2.13 and 2.14). Backends without the attribute, Inductor's and every other one torch ships, are
+    unaffected; a third-party backend that defines one gets it entered from then on, as torch documents.
+    Idempotent."""
     from torch._dynamo import eval_frame
 
     lookup = eval_frame.get_compiler_fn

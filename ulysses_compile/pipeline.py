@@ -121,10 +121,11 @@ def _broken_checkpointed_region(reason: str) -> str:
             f"checkpointed region such as transformers 5.25's decoder layers (its kernel hub sets a context "
             f"variable in every attention call): the region runs outside the compiled graphs, on the whole "
             f"sequence on every rank, and its attention is not parallelized. torch.compile(model, "
-            f"backend=\"ulysses\") by name, parallelize() and explain() trace such regions whole; this backend "
-            f"was passed as a function without ulysses_compile.ulysses.backend_ctx_ctor: pass the name, or set "
-            f"torch._dynamo.config.{CHECKPOINTED_SIDE_EFFECTS} = True around the calls (the mutation then runs "
-            f"once per call, where eager checkpointing runs it again in the backward's recomputation)")
+            f"backend=\"ulysses\") by name, parallelize() and explain() trace such regions whole; a backend "
+            f"passed as a function (or a function wrapping it) is compiled without the backend's context: pass "
+            f"the name, or set torch._dynamo.config.{CHECKPOINTED_SIDE_EFFECTS} = True around the calls (the "
+            f"mutation then runs once per call, where eager checkpointing runs it again in the backward's "
+            f"recomputation)")
 
 
 def _gathered_at_a_graph_break(reason: str) -> str:

@@ -43,8 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import gather_parameter
-from .backend import ulysses
-from .compat import honour_backend_contexts, parameter_slots, running_backward
+from .compat import checkpointed_side_effects_traced, honour_backend_contexts, parameter_slots, running_backward
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 from .sharding import SHARDS, shard_rows
@@ -68,10 +67,10 @@ class _Gather:
         local = module.__dict__[SHARDS].get(self.name)
         if local is None:
             param = parameter_slots(module)[self.name]
-            if running_backward():  # an eager checkpointed region recomputed (a graph break inside it)
-                full = param.full_tensor()
-                return full if self.param_dtype is None else full.to(self.param_dtype)
-            return param  # outside a step (state dicts, shapes): the DTensor, as FSDP2's
+            if not (running_backward() and torch.is_grad_enabled()):
+                return param  # outside a step (state dicts, shapes, backward hooks): the DTensor, as FSDP2's
+            # a checkpointed region Dynamo ran eagerly, recomputed in the backward: gathered as in a step
+            local = padded_shard(param, self.group_size)
         return gather_parameter(local, self.shape, self.group_name, self.group_size, self.regather_in_backward,
                                 self.param_dtype, self.reduce_dtype)
 
@@ -140,8 +139,8 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
     # verify="short" runs the program at a short length: the length must be symbolic from the first call.
     dynamic = True if options.get("verify") == "short" else dynamic
     honour_backend_contexts()
-    if not isinstance(backend, str):  # explain's: it traces what "ulysses" would
-        backend.backend_ctx_ctor = ulysses.backend_ctx_ctor
+    if not isinstance(backend, str):  # explain's: it traces what "ulysses" would, and reports it itself
+        backend.backend_ctx_ctor = checkpointed_side_effects_traced
     compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
                 else torch.compile(model, backend=backend, dynamic=dynamic))
     if places:
@@ -175,7 +174,7 @@ class _LocalShards:
         for module, name in self.places:
             param = parameter_slots(module)[name]
             if id(param) not in local:
-                local[id(param)] = self._padded(param)
+                local[id(param)] = padded_shard(param, self.group_size)
             module.__dict__[SHARDS][name] = local[id(param)]
 
     def hide(self, owner) -> None:
@@ -185,14 +184,17 @@ class _LocalShards:
         for module, name in self.places:
             module.__dict__[SHARDS].pop(name, None)
 
-    def _padded(self, param) -> torch.Tensor:
-        local = param.to_local(grad_placements=param.placements)
-        if param.dim() == 0:
-            return local
-        rows = -(-param.shape[0] // self.group_size)
-        if local.shape[0] == rows:  # an even block stays a view; padding copies
-            return local
-        return nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
+
+def padded_shard(param: DTensor, group_size: int) -> torch.Tensor:
+    """This rank's rows of a partitioned parameter, padded to the largest block (``gather_parameter``'s
+    input); autograd carries their gradient into the DTensor's ``.grad``."""
+    local = param.to_local(grad_placements=param.placements)
+    if param.dim() == 0:
+        return local
+    rows = -(-param.shape[0] // group_size)
+    if local.shape[0] == rows:  # an even block stays a view; padding copies
+        return local
+    return nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, rows - local.shape[0]])
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
