@@ -94,3 +94,49 @@ def reordered_batches_are_refused(rank, world_size):
 @pytest.mark.multirank
 def test_reordered_batches_are_refused_on_every_rank():
     run_ranks(reordered_batches_are_refused, 2)
+
+
+def module_states_agree_or_are_synced(rank, world_size):
+    """A model built after a per-rank seed, and a buffer changed on one rank (rotary ``inv_freq``): the
+    first call refuses to run, naming the tensors, on every rank; under ``parallelize`` before anything
+    is partitioned. With ``sync_module_states`` rank 0's values are broadcast and the step equals rank
+    0's model in eager, loss and every gradient."""
+    import copy
+
+    from multirank import compare_model
+    from ulysses_compile import parallelize
+
+    ids, labels = token_batch(seq=32)
+    batch = {"input_ids": ids, "labels": labels, "use_cache": False}
+    own = tiny_llama(layers=1, seed=rank)
+    with pytest.raises(RankMismatchError, match=rf"rank {rank}: compiled graph .*different parameters or buffers "
+                                                r"\(model\.embed_tokens\.weight, .*sync_module_states"):
+        torch.compile(own, backend="ulysses", options={"compiler": "eager"})(**batch)
+    torch.compiler.reset()
+    with pytest.raises(RankMismatchError, match=r"parallelize: the ranks hold different parameters"):
+        parallelize(tiny_llama(layers=1, seed=rank), zero_stage=3, compiler="eager")
+    shifted = tiny_llama(layers=1)
+    if rank == 1:
+        shifted.model.rotary_emb.inv_freq.mul_(1.5)
+    with pytest.raises(RankMismatchError, match=r"different parameters or buffers \(model\.rotary_emb\.inv_freq;"):
+        torch.compile(shifted, backend="ulysses", options={"compiler": "eager"})(**batch)
+    torch.compiler.reset()
+
+    reference = tiny_llama(layers=1, seed=0)  # rank 0's model
+    for compiled, model in ((torch.compile(own, backend="ulysses", options={"compiler": "aot_eager",
+                                                                            "sync_module_states": True}), own),
+                            (parallelize(tiny_llama(layers=1, seed=rank), zero_stage=3, compiler="aot_eager",
+                                         sync_module_states=True), None)):
+        eager = copy.deepcopy(reference)
+        got = compiled(**batch)
+        got.loss.backward()
+        want = eager(**batch)
+        want.loss.backward()
+        compare_model(rank, model if model is not None else compiled._orig_mod, eager,
+                      {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+        torch.compiler.reset()
+
+
+@pytest.mark.multirank
+def test_module_states_agree_across_ranks_or_are_synced():
+    run_ranks(module_states_agree_or_are_synced, 2)

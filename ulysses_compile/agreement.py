@@ -5,6 +5,10 @@ graph goes through :func:`guarded`:
   graph and its input shapes and dtypes) with one small all-gather, before any collective of the graph
   runs. A rank fed another batch shape, or running other code, would otherwise enter collectives of
   other sizes or in another order than its peers and wait for them forever;
+- at the first call of each graph, and in ``parallelize`` before the parameters are partitioned,
+  :func:`agree_on_module_state` compares the parameters and buffers the ranks hold (a fingerprint per
+  tensor, one all-gather), or broadcasts rank 0's (``sync_module_states``, DDP's behaviour). A model
+  built after a per-rank seed, or a buffer changed on one rank, would otherwise train a mix;
 - on every call, :class:`InputCheck` compares the values of the user's inputs (a fingerprint per input,
   one all-reduce), so ranks handed different batches of one shape get an error instead of training on
   a mix;
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import re
 
 import torch
@@ -27,8 +32,10 @@ import torch.fx as fx
 
 from .boundary import GatheredOnUse
 from .collectives import gather_objects
-from .compat import _resolve_process_group, process_group_timeout
+from .compat import _resolve_process_group, is_fake, process_group_timeout
 from .errors import CollectiveError, RankMismatchError, is_collective_failure
+
+log = logging.getLogger("ulysses_compile")
 
 
 def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
@@ -51,7 +58,61 @@ def input_names(gm: fx.GraphModule) -> list[str]:
     return names
 
 
-def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_check: "InputCheck | None"):
+def agree_on_module_state(tensors: dict[str, torch.Tensor], group, rank: int, sync: bool, where: str) -> None:
+    """The parameters and buffers ``tensors`` (name -> tensor, the same names on every rank of ``group``)
+    hold the same values on every rank: compared by fingerprint (``RankMismatchError`` naming the first
+    that differ), or, with ``sync``, made so by broadcasting rank 0's in place."""
+    real = {name: tensor for name, tensor in tensors.items() if not is_fake(tensor) and tensor.device.type != "meta"}
+    if not real:
+        return
+    if sync:
+        with torch.no_grad():
+            for tensor in real.values():
+                dist.broadcast(tensor, dist.get_global_rank(group, 0), group=group)
+        if rank == 0:
+            log.info("ulysses_compile: %s: rank 0's %d parameters and buffers broadcast to the %d ranks "
+                     "(sync_module_states)", where, len(real), group.size())
+        return
+    digests = {name: _digest(tensor) for name, tensor in real.items()}
+    seen = gather_objects(digests, group)
+    differing = [name for name in digests if any(other.get(name) != digests[name] for other in seen)]
+    if differing:
+        ranks = [other for other, values in enumerate(seen) if values != seen[0]]
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        raise RankMismatchError(
+            f"rank {rank}: {where}: the ranks hold different parameters or buffers ({shown}; ranks {ranks} differ "
+            f"from rank 0), so each would compute with its own model and the gradients would mix them. Build "
+            f"the model alike on every rank (the same torch.manual_seed before constructing it, the same "
+            f"checkpoint loaded), or pass options={{'sync_module_states': True}} (parallelize(..., "
+            f"sync_module_states=True)) to broadcast rank 0's values, as DDP does."
+        )
+
+
+_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _digest(tensor: torch.Tensor) -> int:
+    """A hash of a tensor's bits: the elements read as integers of their size, times pseudo-random
+    weights of their positions, summed. Integer arithmetic wraps alike in any order, so equal tensors
+    give equal digests on any hardware, where a floating sum could round otherwise."""
+    flat = tensor.detach().reshape(-1)
+    flat = flat.view(_INTEGER_OF_SIZE[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.int8)
+    table = _weights(flat.device)[:, 0].to(flat.dtype)
+    wide = torch.int64 if flat.dtype == torch.int64 else torch.int32  # (the sums of a block wrap in it)
+    digest = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK]
+        whole = chunk.numel() // _BLOCK
+        inner = torch.cat([(chunk[:whole * _BLOCK].view(whole, _BLOCK) * table).sum(-1, dtype=wide),
+                           (chunk[whole * _BLOCK:] * table[:chunk.numel() - whole * _BLOCK]).sum(dtype=wide).view(1)])
+        digest = digest + (inner.long() * _block_weights(start // _BLOCK, whole + 1, flat.device)[:, 0]).sum()
+    return digest.item() ^ flat.numel()
+
+
+def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_check: "InputCheck | None",
+            module_state: list[tuple[int, str]] = (), sync_module_states: bool = False):
+    """``compiled`` with the checks above; ``module_state``: the positions and names of the parameters and
+    buffers among its inputs (not ZeRO shards)."""
     checked = False
     group_name, world_size, timeout = group.group_name, group.size(), process_group_timeout(group)
 
@@ -67,6 +128,8 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_c
         try:
             if not checked:
                 _compare(gather_objects(expected, group), rank)
+                agree_on_module_state({name: args[position] for position, name in module_state}, group, rank,
+                                      sync_module_states, graph_name)
                 checked = True
             if input_check is not None:
                 input_check(args)
@@ -182,7 +245,7 @@ class InputCheck:
 
 
 _BLOCK = 1 << 16  # elements weighted by one row of the weight table
-_CHUNK = 1 << 22  # elements converted at a time, so a large input costs no full-size copy
+_CHUNK = 1 << 22  # elements read at a time (a multiple of _BLOCK), so a large input costs no full-size copy
 _FLOAT_WEIGHT = 4.0  # the largest weight of a floating input's weighted sums (two factors in [1, 2))
 _MASK_52 = (1 << 52) - 1  # a hash folded to 52 bits is exact in float64, the all-reduce's dtype
 

@@ -31,6 +31,7 @@ from .compiled_calls import CompiledCall, counted
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
+from .sharding import SHARDS
 from .pipeline import one_rank_rewrites, run_pipeline
 from .report import GraphReport, layer_of
 from .verify import verified, verified_short
@@ -66,7 +67,17 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified(compiled, original, gm, ctx)
     compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
     sites = 0 if report.replicated else len(report.attention_sites)
-    return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check), sites, ctx.world_size)
+    state = _module_state(gm, ctx) if group.size() > 1 else []
+    return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check, state, opts.sync_module_states),
+                   sites, ctx.world_size)
+
+
+def _module_state(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[int, str]]:
+    """The positions and names of the graph's parameter and buffer inputs, not ZeRO shards (each rank's
+    own rows)."""
+    names = input_names(gm)
+    return [(position, names[position]) for position, node in enumerate(gm.graph.find_nodes(op="placeholder"))
+            if node in ctx.parameters and f"_dict{SHARDS}_" not in node.target]
 
 
 ulysses.backend_ctx_ctor = CompiledCall

@@ -24,6 +24,7 @@ class Options:
     dump_dir: str | None = None  # write each graph's code before and after every pass, and its report, here
     check_inputs: bool = True  # every call, compare the values of the user's inputs across the group
     tile_mlp: bool | str = "checkpointed"  # gated MLPs in chunks of rows: in checkpointed layers; True: all
+    sync_module_states: bool = False  # rank 0's parameters and buffers broadcast (DDP's); else they must agree
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -44,8 +45,9 @@ class Options:
             raise OptionsError(f"option compiler={self.compiler!r}: expected one of {list(COMPILERS)}")
         if self.outputs not in OUTPUT_MODES:
             raise OptionsError(f"option outputs={self.outputs!r}: expected one of {list(OUTPUT_MODES)}")
-        if not isinstance(self.check_inputs, bool):
-            raise OptionsError(f"option check_inputs={self.check_inputs!r}: expected True or False")
+        for name in ("check_inputs", "sync_module_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"option {name}={getattr(self, name)!r}: expected True or False")
         if self.tile_mlp not in (False, True, "checkpointed") or not isinstance(self.tile_mlp, (bool, str)):
             raise OptionsError(f"option tile_mlp={self.tile_mlp!r}: expected 'checkpointed', True or False")
         if self.verify not in (False, True, "short") or not isinstance(self.verify, (bool, str)):

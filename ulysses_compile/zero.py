@@ -31,6 +31,7 @@ data-parallel replicas, so each parameter's ``.grad`` is a DTensor sharded like 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .agreement import agree_on_module_state
 from .collectives import gather_parameter
 from .compat import checkpointed_side_effects_traced, honour_backend_contexts, parameter_slots, running_backward
 from .errors import OptionsError, UlyssesError, UnsupportedError
@@ -120,7 +122,11 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
         options["group"] = group
     if mesh is not None:
         options["mesh"] = mesh
-    zero_group = _zero_group(Options.parse(options))
+    parsed = Options.parse(options)
+    zero_group = _zero_group(parsed)
+    if zero_group is not None and zero_group.size() > 1:  # before any parameter is partitioned
+        agree_on_module_state(dict(itertools.chain(model.named_parameters(), model.named_buffers())), zero_group,
+                              zero_group.rank(), parsed.sync_module_states, "parallelize")
     partitioned = zero_stage > 0 and zero_group is not None and zero_group.size() > 1
     if (param_dtype or reduce_dtype) and not partitioned:
         raise OptionsError(
