@@ -429,9 +429,23 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
                  region=region, head_axis=head_axis, seq_axis=seq_axis)
 
 
+def _kernel_dropout(dropout_p) -> str | None:
+    """Why an attention kernel with this ``dropout_p`` runs whole: the kernel draws its mask from the
+    generator, in the same state on every rank, so heads split over the ranks would share masks; whole,
+    every rank draws one device's mask for every head."""
+    if isinstance(dropout_p, (int, float)) and dropout_p == 0:
+        return None
+    return (f"attention dropout inside the kernel (dropout_p={getattr(dropout_p, 'name', dropout_p)}) would draw the "
+            f"same mask for the heads of every rank; it runs whole on every rank (one device's masks). Set the "
+            f"attention dropout to 0 (config.attention_dropout, attn_pdrop, nn.MultiheadAttention's dropout) to "
+            f"parallelize it")
+
+
 def _sdpa_site(node: fx.Node) -> AttentionSite:
     args = sdpa_arguments(node)
     q = _value(args["query"])
+    if (dropout := _kernel_dropout(args.get("dropout_p", 0.0))) is not None:
+        return dropout
     if q.dim() < 3:
         return (f"scaled_dot_product_attention on a query of shape {list(q.shape)} has no head dim to split "
                 f"over the ranks (expected [..., heads, sequence, head_dim]); it runs whole on every rank")
@@ -448,6 +462,8 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
 def _flash_site(node: fx.Node) -> AttentionSite:
     """flash-attn on ``[B, S, H, D]``, or varlen on packed ``[total, H, D]``; KV may have fewer heads
     (flash-attn's own MQA/GQA)."""
+    if (dropout := _kernel_dropout(node.kwargs["dropout_p"])) is not None:
+        return dropout
     slots = {"query": Slot(node, 0), "key": Slot(node, 1), "value": Slot(node, 2)}
     if isinstance(node.kwargs.get("alibi_slopes"), fx.Node):
         slots["alibi_slopes"] = Slot(node, "alibi_slopes")
