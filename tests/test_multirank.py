@@ -426,6 +426,50 @@ def test_dropout_inside_the_attention_kernel_runs_whole():
     run_ranks(kernel_dropout_runs_whole, 2)
 
 
+class DropoutBeforeTheHead(torch.nn.Module):
+    """Token embeddings, dropout, a linear head: no attention, so the graph runs whole on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        return torch.nn.functional.cross_entropy(
+            self.head(torch.nn.functional.dropout(self.embed(ids), 0.5, training=True)).flatten(0, 1), ids.flatten())
+
+
+def per_rank_seeds_draw_alike(rank, world_size):
+    """DDP scripts seed each rank differently (``torch.manual_seed(100 + rank)``) after an identical
+    init. A graph computed whole on every rank (here: no attention; likewise S < P) must draw the same
+    dropout mask on every rank, as one device would draw one; the ranks' own generators are left as
+    they were. Three SGD steps: every rank's loss and parameters stay equal."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = DropoutBeforeTheHead()
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(100 + rank)
+    own = torch.get_rng_state()
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = compiled(ids)
+        loss.backward()
+        optimizer.step()
+        losses = [torch.zeros(()) for _ in range(world_size)]
+        dist.all_gather(losses, loss.detach())
+        assert losses[0].item() == losses[1].item(), losses  # one program on one mask and inputs
+    weights = [torch.zeros_like(model.head.weight) for _ in range(world_size)]
+    dist.all_gather(weights, model.head.weight.detach())
+    assert torch.equal(weights[0], weights[1])  # the same SGD steps on the same gradients
+    assert torch.equal(torch.get_rng_state(), own)  # (a state, compared as bytes)
+
+
+def test_per_rank_seeds_draw_one_mask_where_the_graph_runs_whole():
+    run_ranks(per_rank_seeds_draw_alike, 2)
+
+
 def group_and_mesh_options(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

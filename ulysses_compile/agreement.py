@@ -91,6 +91,44 @@ def agree_on_module_state(tensors: dict[str, torch.Tensor], group, rank: int, sy
 _INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def drawing_alike(compiled, group, cuda_devices: list[int]):
+    """``compiled``, drawing its random numbers from one generator stream that the ranks of ``group``
+    share whatever seeds they were given (``torch.manual_seed(rank)`` is common in DDP scripts): seeded
+    from rank 0's generator at the first call, swapped in for the ranks' own generators (CPU, and the
+    CUDA devices the graph runs on) during each call, which leaves those as they were. A value computed
+    whole on every rank then draws one device's random numbers alike on every rank; a sequence-sharded
+    dropout (``runtime.dropout_block``) keeps each rank's block of one device's mask."""
+    shared = None
+
+    def run(*args):
+        nonlocal shared
+        own = _generator_states(cuda_devices)
+        if shared is None:
+            seed = gather_objects(int(torch.randint(2**62, ()).item()), group)[0]
+            torch.random.default_generator.manual_seed(seed)
+            for device in cuda_devices:
+                torch.cuda.default_generators[device].manual_seed(seed)
+        else:
+            _set_generator_states(shared, cuda_devices)
+        try:
+            return compiled(*args)
+        finally:
+            shared = _generator_states(cuda_devices)
+            _set_generator_states(own, cuda_devices)
+
+    return run
+
+
+def _generator_states(cuda_devices: list[int]) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(device) for device in cuda_devices]
+
+
+def _set_generator_states(states: list[torch.Tensor], cuda_devices: list[int]) -> None:
+    torch.set_rng_state(states[0])
+    for device, state in zip(cuda_devices, states[1:]):
+        torch.cuda.set_rng_state(state, device)
+
+
 def _digest(tensor: torch.Tensor) -> int:
     """A hash of a tensor's bits: the elements read as integers of their size, times pseudo-random
     weights of their positions, summed. Integer arithmetic wraps alike in any order, so equal tensors
