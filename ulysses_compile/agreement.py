@@ -214,10 +214,11 @@ class InputCheck:
     sums weighted by pseudo-random weights of the positions, so reordered values do not collide; for
     floating inputs also the sum of magnitudes) goes into one all-reduce over
     the group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
-    waits for the result, so a mixed first batch never runs. Later calls leave it in flight and compare
-    it at the next call (on a GPU, the result is copied to pinned memory behind an event, so the host
-    never waits for the step); the mixed step has run by then, and the error says so. The last call of
-    a run is compared only if another call follows. Integer inputs must agree exactly (sums wrap
+    waits for the result, so a mixed first batch never runs; so does every call on CPU ranks (gloo),
+    where waiting holds up no device. On a GPU, later calls leave it in flight and compare it at the
+    next call (the result is copied to pinned memory behind an event, so the host never waits for the
+    step); the mixed step has run by then, and the error says so, and the last call of a run is
+    compared only if another call follows. Integer inputs must agree exactly (sums wrap
     alike in int64); floating ones within 1e-6 of the sum of their magnitudes, since ranks may round
     differently (another kernel, another summation order)."""
 
@@ -256,12 +257,12 @@ class InputCheck:
             result, settle = extremes, work.wait
         self.calls += 1
         pending = (settle, result, meaning, self.calls)
-        if self.calls == 1:
-            self._compare(*pending)
+        if self.calls == 1 or not extremes.is_cuda:  # (waiting on a CPU all-reduce holds up no device)
+            self._compare(*pending, ran=False)
         else:
             self.pending = pending
 
-    def _compare(self, settle, result, meaning, call: int) -> None:
+    def _compare(self, settle, result, meaning, call: int, ran: bool = True) -> None:
         settle()
         values = result.tolist()
         largest, smallest = values[: len(meaning)], [-value for value in values[len(meaning):]]
@@ -271,7 +272,8 @@ class InputCheck:
             if abs(high - low) > tolerance:
                 differing.append(self.names[owner])
         if differing:
-            when = "its first call" if call == 1 else f"call {call}, which has run (the check settles at the next call)"
+            when = "its first call" if call == 1 else f"call {call}, " + (
+                "which has run (on a GPU the check settles at the next call)" if ran else "before it ran")
             raise RankMismatchError(
                 f"rank {self.rank}: the sequence-parallel ranks passed different values in "
                 f"{', '.join(dict.fromkeys(differing))} to {self.graph_name} ({when}), so each rank's block would "
