@@ -43,7 +43,7 @@ def _reordered(value: torch.Tensor, how: str, data) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None, database=None, derandomize=True)
-@given(data=st.data(), floating=st.booleans(), rows=st.integers(2, 40), width=st.sampled_from([1, 16, 1021, 1024]),
+@given(data=st.data(), floating=st.booleans(), rows=st.integers(2, 40), width=st.sampled_from([2, 16, 1021, 1024]),
        how=st.sampled_from(["swap", "reverse rows", "permute rows"]), seed=st.integers(0, 2**16))
 def test_the_fingerprint_tells_reordered_inputs_apart(data, floating, rows, width, how, seed):
     """Integer inputs: any reordering; floating ones: one beyond rounding (rows of mean zero reordered,
@@ -120,6 +120,13 @@ def module_states_agree_or_are_synced(rank, world_size):
         shifted.model.rotary_emb.inv_freq.mul_(1.5)
     with pytest.raises(RankMismatchError, match=r"different parameters or buffers \(model\.rotary_emb\.inv_freq;"):
         torch.compile(shifted, backend="ulysses", options={"compiler": "eager"})(**batch)
+    torch.compiler.reset()
+    flipped = tiny_llama(layers=1)
+    if rank == 1:
+        with torch.no_grad():
+            flipped.model.norm.weight[3] *= -1  # one element's sign
+    with pytest.raises(RankMismatchError, match=r"different parameters or buffers \(model\.norm\.weight;"):
+        torch.compile(flipped, backend="ulysses", options={"compiler": "eager"})(**batch)
     torch.compiler.reset()
 
     reference = tiny_llama(layers=1, seed=0)  # rank 0's model

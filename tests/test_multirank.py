@@ -441,8 +441,8 @@ class DropoutBeforeTheHead(torch.nn.Module):
 def per_rank_seeds_draw_alike(rank, world_size):
     """DDP scripts seed each rank differently (``torch.manual_seed(100 + rank)``) after an identical
     init. A graph computed whole on every rank (here: no attention; likewise S < P) must draw the same
-    dropout mask on every rank, as one device would draw one; the ranks' own generators are left as
-    they were. Three SGD steps: every rank's loss and parameters stay equal."""
+    dropout mask on every rank, as one device would draw one; the ranks' own generators keep their own
+    streams. Three SGD steps: every rank's loss and parameters stay equal."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -451,7 +451,6 @@ def per_rank_seeds_draw_alike(rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(100 + rank)
-    own = torch.get_rng_state()
     for _ in range(3):
         optimizer.zero_grad()
         loss = compiled(ids)
@@ -463,11 +462,49 @@ def per_rank_seeds_draw_alike(rank, world_size):
     weights = [torch.zeros_like(model.head.weight) for _ in range(world_size)]
     dist.all_gather(weights, model.head.weight.detach())
     assert torch.equal(weights[0], weights[1])  # the same SGD steps on the same gradients
-    assert torch.equal(torch.get_rng_state(), own)  # (a state, compared as bytes)
+    states = [None] * world_size
+    dist.all_gather_object(states, torch.get_rng_state())
+    assert not torch.equal(states[0], states[1])  # the ranks' own generators keep their own seeds
 
 
 def test_per_rank_seeds_draw_one_mask_where_the_graph_runs_whole():
     run_ranks(per_rank_seeds_draw_alike, 2)
+
+
+class TwoDropouts(torch.nn.Module):
+    """Dropout in two graphs (a graph break between them), each with its own mask."""
+
+    def forward(self, x):
+        first = torch.nn.functional.dropout(x, 0.5, training=True)
+        torch._dynamo.graph_break()
+        return first, torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+def shared_stream_across_graphs_and_checkpoint_replays(rank, world_size):
+    """One stream for every graph of the group (the graphs after a break draw on from where the ones
+    before left off, not from a seed of their own), and a compiled module inside an eagerly run
+    checkpointed region draws its mask again in the backward's recomputation, so the gradient is the
+    forward's mask."""
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(100 + rank)
+    first, second = torch.compile(TwoDropouts(), backend="ulysses", options={"compiler": "aot_eager"})(
+        torch.ones(1, 8, 64))
+    assert not torch.equal(first, second), "the two graphs drew one mask"
+    both = [torch.zeros(2, 8, 64) for _ in range(world_size)]
+    dist.all_gather(both, torch.cat([first, second]))
+    assert torch.equal(both[0], both[1])  # a mask, the same on every rank
+    layer = torch.compile(TwoDropouts(), backend="ulysses", options={"compiler": "aot_eager"})
+    for use_reentrant in (False, True):
+        x = torch.ones(1, 8, 64, requires_grad=True)
+        out = checkpoint(lambda value: layer(value)[1], x, use_reentrant=use_reentrant)
+        out.sum().backward()
+        assert torch.equal(x.grad, out.detach()), use_reentrant  # ones times the mask's scale both ways
+
+
+def test_one_random_stream_across_graphs_and_checkpoint_replays():
+    run_ranks(shared_stream_across_graphs_and_checkpoint_replays, 2)
 
 
 def group_and_mesh_options(rank, world_size):

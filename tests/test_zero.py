@@ -222,8 +222,9 @@ def checkpoint_loads_at_other_world_sizes(rank, world_size, folder):
     from torch.distributed.tensor import distribute_tensor
 
     def parallelized(zero_stage, group):
-        torch.manual_seed(rank)  # other initial values on every rank: only the checkpoint makes them agree
-        model = parallelize(MeanPooledClassifier(classes=3), zero_stage=zero_stage, group=group)
+        torch.manual_seed(rank)  # other initial values on every rank, rank 0's broadcast: none is the checkpoint's
+        model = parallelize(MeanPooledClassifier(classes=3), zero_stage=zero_stage, group=group,
+                            sync_module_states=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         return model, optimizer, {"model": model_state, "optimizer": optimizer_state}

@@ -21,6 +21,7 @@ graph goes through :func:`guarded`:
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
@@ -84,37 +85,64 @@ def agree_on_module_state(tensors: dict[str, torch.Tensor], group, rank: int, sy
             f"from rank 0), so each would compute with its own model and the gradients would mix them. Build "
             f"the model alike on every rank (the same torch.manual_seed before constructing it, the same "
             f"checkpoint loaded), or pass options={{'sync_module_states': True}} (parallelize(..., "
-            f"sync_module_states=True)) to broadcast rank 0's values, as DDP does."
+            f"sync_module_states=True)) to broadcast rank 0's values, as DDP does (also where a checkpoint "
+            f"loaded after parallelize sets them)."
         )
 
 
 _INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def drawing_alike(compiled, group, cuda_devices: list[int]):
-    """``compiled``, drawing its random numbers from one generator stream that the ranks of ``group``
-    share whatever seeds they were given (``torch.manual_seed(rank)`` is common in DDP scripts): seeded
-    from rank 0's generator at the first call, swapped in for the ranks' own generators (CPU, and the
-    CUDA devices the graph runs on) during each call, which leaves those as they were. A value computed
-    whole on every rank then draws one device's random numbers alike on every rank; a sequence-sharded
-    dropout (``runtime.dropout_block``) keeps each rank's block of one device's mask."""
-    shared = None
+class _SharedStream:
+    """The generator states the ranks of one group share (``drawing_alike``), and the state each recent
+    call started from, by the digest of the rank's own generator states at its start."""
 
-    def run(*args):
-        nonlocal shared
-        own = _generator_states(cuda_devices)
-        if shared is None:
-            seed = gather_objects(int(torch.randint(2**62, ()).item()), group)[0]
+    def __init__(self, group, cuda_devices: tuple[int, ...]):
+        seed = gather_objects(int(torch.randint(2**62, ()).item()), group)[0]  # rank 0's
+        with torch.random.fork_rng(devices=list(cuda_devices)):
             torch.random.default_generator.manual_seed(seed)
             for device in cuda_devices:
                 torch.cuda.default_generators[device].manual_seed(seed)
-        else:
-            _set_generator_states(shared, cuda_devices)
+            self.states = _generator_states(cuda_devices)
+        self.starts: collections.OrderedDict[bytes, list[torch.Tensor]] = collections.OrderedDict()
+
+
+_STREAMS: dict[tuple[str, tuple[int, ...]], _SharedStream] = {}
+_REMEMBERED_STARTS = 64  # calls a checkpointed region may replay after its first run
+
+
+def drawing_alike(compiled, group, cuda_devices: list[int]):
+    """``compiled``, drawing its random numbers from one generator stream that the ranks of ``group``
+    share whatever seeds they were given (``torch.manual_seed(rank)`` is common in DDP scripts), seeded
+    from rank 0's generator when the group first needs it. Each call swaps the stream in for the rank's
+    own generators (CPU, and the CUDA devices the graph runs on) and back out, then advances the rank's
+    own CPU generator by one draw, so its own state tells calls apart: a call that starts from an own
+    state seen before (``torch.utils.checkpoint`` restores it to recompute a region eagerly, or the user
+    re-seeds) replays the shared state that call started from, as one device would replay its draws. A
+    value computed whole on every rank then draws one device's random numbers alike on every rank; a
+    sequence-sharded dropout (``runtime.dropout_block``) keeps each rank's block of one device's mask."""
+    devices = tuple(cuda_devices)
+
+    def run(*args):
+        stream = _STREAMS.get((group.group_name, devices)) or _STREAMS.setdefault(
+            (group.group_name, devices), _SharedStream(group, devices))
+        own = _generator_states(devices)
+        ticket = hashlib.sha1(b"".join(state.numpy().tobytes() for state in own)).digest()
+        start = stream.starts.get(ticket)
+        replay = start is not None
+        if not replay:
+            start = stream.states
+            stream.starts[ticket] = start
+            while len(stream.starts) > _REMEMBERED_STARTS:
+                stream.starts.popitem(last=False)
+        _set_generator_states(start, devices)
         try:
             return compiled(*args)
         finally:
-            shared = _generator_states(cuda_devices)
-            _set_generator_states(own, cuda_devices)
+            if not replay:
+                stream.states = _generator_states(devices)
+            _set_generator_states(own, devices)
+            torch.rand(())  # the own stream moves on: the next call is told apart from this one
 
     return run
 
@@ -130,13 +158,17 @@ def _set_generator_states(states: list[torch.Tensor], cuda_devices: list[int]) -
 
 
 def _digest(tensor: torch.Tensor) -> int:
-    """A hash of a tensor's bits: the elements read as integers of their size, times pseudo-random
-    weights of their positions, summed. Integer arithmetic wraps alike in any order, so equal tensors
-    give equal digests on any hardware, where a floating sum could round otherwise."""
+    """A hash of a tensor's bits: the elements read as integers of their size (wider ones as several
+    int64), times odd pseudo-random weights of their positions in that size, summed by block. Integer
+    arithmetic wraps alike in any order, so equal tensors give equal digests on any hardware, where a
+    floating sum could round otherwise; multiplying by an odd number is one-to-one modulo 2^bits, so a
+    change of any one element changes its block's sum."""
     flat = tensor.detach().reshape(-1)
-    flat = flat.view(_INTEGER_OF_SIZE[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.int8)
-    table = _weights(flat.device)[:, 0].to(flat.dtype)
-    wide = torch.int64 if flat.dtype == torch.int64 else torch.int32  # (the sums of a block wrap in it)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.int8)
+    flat = flat.view(_INTEGER_OF_SIZE[min(flat.element_size(), 8)]).reshape(-1)
+    table = _weights(flat.device)[:, 0].to(flat.dtype)  # (the low bits: still odd)
+    wide = torch.int64 if flat.dtype == torch.int64 else torch.int32  # (a block's sum wraps in it)
     digest = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start:start + _CHUNK]
@@ -299,13 +331,14 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _weights(device: torch.device) -> torch.Tensor:
-    """Two pseudo-random int64 weights per position of a block, ``[BLOCK, 2]``, the same on every rank."""
-    return _mix(torch.arange(2 * _BLOCK, dtype=torch.int64, device=device)).view(2, _BLOCK).t()
+    """Two odd pseudo-random int64 weights per position of a block, ``[BLOCK, 2]``, the same on every rank."""
+    return (_mix(torch.arange(2 * _BLOCK, dtype=torch.int64, device=device)) | 1).view(2, _BLOCK).t()
 
 
 def _block_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
-    """Two pseudo-random int64 weights per block, ``[count, 2]``, unlike any of ``_weights``."""
-    return _mix(torch.arange(2 * first, 2 * (first + count), dtype=torch.int64, device=device) + (1 << 40)).view(count, 2)
+    """Two odd pseudo-random int64 weights per block, ``[count, 2]``, unlike any of ``_weights``."""
+    return (_mix(torch.arange(2 * first, 2 * (first + count), dtype=torch.int64, device=device) + (1 << 40))
+            | 1).view(count, 2)
 
 
 def _unit(hashes: torch.Tensor) -> torch.Tensor:

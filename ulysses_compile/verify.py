@@ -156,7 +156,7 @@ def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
             f"for sequence length {static[0]} only (a static shape); compile with a symbolic length: "
             f"torch.compile(model, backend='ulysses', dynamic=True, options={{'verify': 'short'}})"
         )
-    random = random_draw(original)
+    random = _random_draw(original)
     if random is not None:
         _skipped(report, f"the graph draws random numbers ({random}), which the compiled program and eager "
                          f"draw differently; verify with dropout off (model.eval())")
@@ -334,7 +334,7 @@ _RANDOM_METHODS = {"uniform_", "normal_", "bernoulli", "bernoulli_", "exponentia
 _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
 
 
-def random_draw(gm: fx.GraphModule) -> str | None:
+def _random_draw(gm: fx.GraphModule) -> str | None:
     """The first op of the captured graph (and of its checkpointed bodies) that draws random numbers
     (a dropout with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``,
     ``x.uniform_()``), described, or None."""
