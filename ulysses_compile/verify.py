@@ -20,6 +20,7 @@ from .collectives import average_grad, gather_objects, mean_over_group, take_blo
 from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr, symbolic_hint
 from .errors import OptionsError, VerificationError
 from .report import module_path
+from .runtime import flash_attention, flash_attention_varlen
 from .sharding import seq_factors, sharding_of
 from .sizes import is_symbolic
 
@@ -156,7 +157,7 @@ def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
             f"for sequence length {static[0]} only (a static shape); compile with a symbolic length: "
             f"torch.compile(model, backend='ulysses', dynamic=True, options={{'verify': 'short'}})"
         )
-    random = _random_draw(original)
+    random = random_draw(original)
     if random is not None:
         _skipped(report, f"the graph draws random numbers ({random}), which the compiled program and eager "
                          f"draw differently; verify with dropout off (model.eval())")
@@ -328,16 +329,19 @@ def _sizes(example: torch.Tensor, values: dict) -> tuple[list[int], list[int]]:
 
 
 _RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-                     torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson}
+                     torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson,
+                     torch.native_dropout, torch.rrelu, torch.rrelu_}
+_KERNEL_DROPOUT = {F.scaled_dot_product_attention: 4, torch._C._nn.scaled_dot_product_attention: 4}  # dropout_p's position
 _RANDOM_METHODS = {"uniform_", "normal_", "bernoulli", "bernoulli_", "exponential_", "geometric_", "log_normal_",
                    "cauchy_", "random_"}
-_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+_ATEN_DROPOUTS = (torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
+_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout) + _ATEN_DROPOUTS
 
 
-def _random_draw(gm: fx.GraphModule) -> str | None:
-    """The first op of the captured graph (and of its checkpointed bodies) that draws random numbers
-    (a dropout with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``,
-    ``x.uniform_()``), described, or None."""
+def random_draw(gm: fx.GraphModule) -> str | None:
+    """The first op of a graph (and of its checkpointed bodies) that draws random numbers (a dropout
+    with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``, ``x.uniform_()``, an
+    attention kernel's dropout), described, or None."""
     for node in (node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes):
         where = module_path(node) or node.name
         if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS or \
@@ -346,13 +350,19 @@ def _random_draw(gm: fx.GraphModule) -> str | None:
         if node.op != "call_function":
             continue
         if node.target in _DROPOUTS or node.target is F.rrelu:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-            bound.apply_defaults()
-            p = _number(bound.arguments.get("p", 1.0))
-            if bound.arguments["training"] and p:
+            if node.target in _ATEN_DROPOUTS:  # (input, p, train), no Python signature
+                arguments = dict(zip(("input", "p", "training"), node.args)) | node.kwargs
+                arguments.setdefault("training", arguments.pop("train", False))
+            else:
+                bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+                bound.apply_defaults()
+                arguments = bound.arguments
+            p = _number(arguments.get("p", 1.0))
+            if arguments["training"] and p:
                 return f"{node.target.__name__} p={p} at {where}" if node.target is not F.rrelu else f"rrelu at {where}"
-        elif node.target is F.scaled_dot_product_attention:
-            p = _number(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+        elif node.target in _KERNEL_DROPOUT or node.target in (flash_attention, flash_attention_varlen):
+            position = _KERNEL_DROPOUT.get(node.target, 3)
+            p = _number(node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0))
             if p:
                 return f"attention dropout p={p} at {where}"
     return None
