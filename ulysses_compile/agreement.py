@@ -21,7 +21,6 @@ graph goes through :func:`guarded`:
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import logging
@@ -91,70 +90,6 @@ def agree_on_module_state(tensors: dict[str, torch.Tensor], group, rank: int, sy
 
 
 _INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class _SharedStream:
-    """The generator states the ranks of one group share (``drawing_alike``), and the state each recent
-    call started from, by the digest of the rank's own generator states at its start."""
-
-    def __init__(self, group, cuda_devices: tuple[int, ...]):
-        seed = gather_objects(int(torch.randint(2**62, ()).item()), group)[0]  # rank 0's
-        with torch.random.fork_rng(devices=list(cuda_devices)):
-            torch.random.default_generator.manual_seed(seed)
-            for device in cuda_devices:
-                torch.cuda.default_generators[device].manual_seed(seed)
-            self.states = _generator_states(cuda_devices)
-        self.starts: collections.OrderedDict[bytes, list[torch.Tensor]] = collections.OrderedDict()
-
-
-_STREAMS: dict[tuple[str, tuple[int, ...]], _SharedStream] = {}
-_REMEMBERED_STARTS = 64  # calls a checkpointed region may replay after its first run
-
-
-def drawing_alike(compiled, group, cuda_devices: list[int]):
-    """``compiled``, drawing its random numbers from one generator stream that the ranks of ``group``
-    share whatever seeds they were given (``torch.manual_seed(rank)`` is common in DDP scripts), seeded
-    from rank 0's generator when the group first needs it. Each call swaps the stream in for the rank's
-    own generators (CPU, and the CUDA devices the graph runs on) and back out, then advances the rank's
-    own CPU generator by one draw, so its own state tells calls apart: a call that starts from an own
-    state seen before (``torch.utils.checkpoint`` restores it to recompute a region eagerly, or the user
-    re-seeds) replays the shared state that call started from, as one device would replay its draws. A
-    value computed whole on every rank then draws one device's random numbers alike on every rank; a
-    sequence-sharded dropout (``runtime.dropout_block``) keeps each rank's block of one device's mask."""
-    devices = tuple(cuda_devices)
-
-    def run(*args):
-        stream = _STREAMS.get((group.group_name, devices)) or _STREAMS.setdefault(
-            (group.group_name, devices), _SharedStream(group, devices))
-        own = _generator_states(devices)
-        ticket = hashlib.sha1(b"".join(state.numpy().tobytes() for state in own)).digest()
-        start = stream.starts.get(ticket)
-        replay = start is not None
-        if not replay:
-            start = stream.states
-            stream.starts[ticket] = start
-            while len(stream.starts) > _REMEMBERED_STARTS:
-                stream.starts.popitem(last=False)
-        _set_generator_states(start, devices)
-        try:
-            return compiled(*args)
-        finally:
-            if not replay:
-                stream.states = _generator_states(devices)
-            _set_generator_states(own, devices)
-            torch.rand(())  # the own stream moves on: the next call is told apart from this one
-
-    return run
-
-
-def _generator_states(cuda_devices: list[int]) -> list[torch.Tensor]:
-    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(device) for device in cuda_devices]
-
-
-def _set_generator_states(states: list[torch.Tensor], cuda_devices: list[int]) -> None:
-    torch.set_rng_state(states[0])
-    for device, state in zip(cuda_devices, states[1:]):
-        torch.cuda.set_rng_state(state, device)
 
 
 def _digest(tensor: torch.Tensor) -> int:

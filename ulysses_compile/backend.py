@@ -10,7 +10,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .agreement import InputCheck, drawing_alike, fingerprint, guarded, input_names
+from .agreement import InputCheck, fingerprint, guarded, input_names
 from .compat import (
     CompileContext,
     aot_autograd,
@@ -34,7 +34,7 @@ from .options import Options
 from .sharding import SHARDS
 from .pipeline import one_rank_rewrites, run_pipeline
 from .report import GraphReport, layer_of
-from .verify import random_draw, verified, verified_short
+from .verify import verified, verified_short
 
 log = logging.getLogger("ulysses_compile")
 
@@ -56,7 +56,6 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     _check_one_device(gm, example_inputs)
     refuse_dtensor_inputs(input_names(gm), example_inputs)
     original = copy.deepcopy(gm) if opts.verify else None
-    draws = random_draw(gm) is not None  # (captured: the passes turn dropouts into their own ops)
     expected = fingerprint(gm, example_inputs)
     ctx, report = rewrite(gm, example_inputs, opts, group)
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
@@ -67,9 +66,6 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
     compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
-    if group.size() > 1 and (draws or random_draw(gm) is not None):  # (rewritten: flash-attn's calls are ours)
-        compiled = drawing_alike(compiled, group, sorted({value.device.index for value in example_inputs if
-                                                          isinstance(value, torch.Tensor) and value.is_cuda}))
     sites = 0 if report.replicated else len(report.attention_sites)
     state = _module_state(gm, ctx) if group.size() > 1 else []
     return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check, state, opts.sync_module_states),

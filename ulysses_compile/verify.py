@@ -157,7 +157,7 @@ def verified_short(compiled, original, gm: fx.GraphModule, ctx, example_inputs):
             f"for sequence length {static[0]} only (a static shape); compile with a symbolic length: "
             f"torch.compile(model, backend='ulysses', dynamic=True, options={{'verify': 'short'}})"
         )
-    random = random_draw(original)
+    random = _random_draw(original)
     if random is not None:
         _skipped(report, f"the graph draws random numbers ({random}), which the compiled program and eager "
                          f"draw differently; verify with dropout off (model.eval())")
@@ -338,7 +338,7 @@ _ATEN_DROPOUTS = (torch.dropout, torch.feature_dropout, torch.alpha_dropout, tor
 _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout) + _ATEN_DROPOUTS
 
 
-def random_draw(gm: fx.GraphModule) -> str | None:
+def _random_draw(gm: fx.GraphModule) -> str | None:
     """The first op of a graph (and of its checkpointed bodies) that draws random numbers (a dropout
     with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``, ``x.uniform_()``, an
     attention kernel's dropout), described, or None."""
