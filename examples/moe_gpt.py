@@ -7,7 +7,9 @@ Two ways to dispatch, as people write them:
 
 - ``sorted``: sort the (token, slot) pairs by expert, read each pair's token and its expert's weights,
   and add the results back at their tokens with ``index_add_``;
-- ``dense``: every expert on every token, weighted by a gate that is zero off the top-k (small models).
+- ``dense``: every expert on every token, weighted by a gate that is zero off the top-k (small models);
+- ``split``: torchtitan's loop over experts: count the tokens per expert (``histc``), read the counts
+  with ``.tolist()`` (a graph break) and ``torch.split`` the sorted rows by them.
 
 ``make()`` returns ``(model, args, kwargs)`` for ``python -m ulysses_compile``.
 """
@@ -56,6 +58,14 @@ class MoE(nn.Module):
             weights = torch.zeros_like(probs).scatter(1, experts, gates)
             hidden = F.gelu(torch.einsum("tc,ech->teh", x, self.w_in))
             out = torch.einsum("teh,ehc,te->tc", hidden, self.w_out, weights)
+        elif self.dispatch == "split":
+            flat_experts = experts.reshape(-1)
+            counts = torch.histc(flat_experts.float(), bins=self.n_expert, min=0, max=self.n_expert).long()
+            order = flat_experts.argsort(stable=True)
+            tokens = order // self.top_k
+            chunks = torch.split(x[tokens], counts.tolist())
+            y = torch.cat([F.gelu(chunk @ self.w_in[e]) @ self.w_out[e] for e, chunk in enumerate(chunks)])
+            out = torch.zeros_like(x).index_add_(0, tokens, y * gates.reshape(-1)[order].unsqueeze(-1))
         else:
             flat_experts = experts.reshape(-1)
             order = flat_experts.argsort()

@@ -150,7 +150,8 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                       for arg in view.tensor_args(node)}
             place(node, NodeSharding(by_heads, value, inputs))
         else:
-            sharding, fallback = _decide(node, value, view, ctx, node in feeds_attention, node in site_nodes,
+            starts = node in feeds_attention or any(arg in ctx.lazy_inputs for arg in node.all_input_nodes)
+            sharding, fallback = _decide(node, value, view, ctx, starts, node in site_nodes,
                                          seq_dims, seq_lengths, refused.get(node.name))
             placed.fallbacks += [fallback] if fallback is not None else []
             if may_alias(node) and fallback is not None:
@@ -213,7 +214,7 @@ def _replicated_like(value):
     return None
 
 
-def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, is_site: bool,
+def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is_site: bool,
             seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None]:
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
@@ -234,7 +235,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, on_attention_path: bool, 
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
         # An in-place op is never where sharding starts: it would write into a sliced copy.
         seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
-            if on_attention_path and rule and mutated_arg(node) is None else None
+            if starts_sharding and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None
     decision = rule(node, view) if rule else None
     fallback = None
@@ -282,13 +283,18 @@ def _write_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView, bases
 
 
 def _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) -> NodeSharding | None:
-    for arg in view.tensor_args(node):
-        if arg in ctx.parameters:
-            continue
-        dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), seq_lengths)
-        if dim is None:
-            continue
-        seeded_view = view.overridden({arg: Shard(dim)})
+    """``node`` with its first sequence-holding input offered sharded (a value a graph before this one
+    left lazily first, in the layout it holds), if its rule keeps the output sharded."""
+    args = [arg for arg in view.tensor_args(node) if arg not in ctx.parameters]
+    for arg in sorted(args, key=lambda arg: arg not in ctx.lazy_inputs):
+        if arg in ctx.lazy_inputs:
+            offered = ctx.lazy_inputs[arg]
+        else:
+            dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), seq_lengths)
+            if dim is None:
+                continue
+            offered = Shard(dim)
+        seeded_view = view.overridden({arg: offered})
         decision = rule(node, seeded_view)
         if decision is not None and is_sharded(decision.output):
             return NodeSharding(decision.output, value, decision.inputs, decision.localize)

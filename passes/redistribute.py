@@ -15,9 +15,10 @@ After::
     loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
     return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
 
-By default (``outputs="lazy"``) and with ``outputs="dtensor"``, an output that goes straight to the
-caller stays sharded (``return (loss, logits)``); the caller gets a tensor gathered when read, or a
-DTensor (``boundary.py``).
+By default (``outputs="lazy"``) an output stays sharded (``return (loss, logits)``), whether it goes
+to the caller or across a graph break to the next graph: the caller gets a tensor gathered when read,
+the next graph the rank's block (``boundary.py``). With ``outputs="dtensor"`` only an output that goes
+straight to the caller stays sharded, as a DTensor.
 
 A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
 shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
@@ -265,10 +266,11 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
 def _why_gathered(placement, shape: list, ctx) -> str:
     """Why a sequence-sharded output is gathered in the graph, or "" when it leaves sharded
     (``boundary.py``)."""
-    if ctx.graph_break:
-        return f"it crosses a graph break ({ctx.graph_break}); the next graph slices it again"
-    if not ctx.outputs_to_caller:
-        return "it returns into code that runs before the caller reads it; the next graph slices it again"
+    crossing = f"a graph break ({ctx.graph_break})" if ctx.graph_break else \
+        "code that runs before the caller reads it" if not ctx.outputs_to_caller else ""
+    if crossing and ctx.options.outputs != "lazy":
+        return (f"it crosses {crossing} under option outputs={ctx.options.outputs!r}, which leaves sharded only "
+                f"what goes straight to the caller; the next graph slices it again")
     if ctx.options.outputs == "gather":
         return 'option outputs="gather" (the default, outputs="lazy", gathers it when read)'
     dim, outer, inner = seq_factors(placement)

@@ -52,6 +52,25 @@ class GraphBreakGPT(nanogpt.GPT):
         return logits, loss
 
 
+class BreakingBlock(nanogpt.Block):
+    """A block whose code breaks the graph between its attention and its MLP: Dynamo compiles the code
+    before the break once, then runs that one graph for every layer."""
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.ln_2(x))
+
+
+def break_in_every_block(seq: int = 32, layers: int = 3, seed: int = 0):
+    model, args, kwargs = nanogpt.make(seq_len=seq, seed=seed, n_layer=layers)
+    for index, block in enumerate(model.transformer.h):
+        breaking = BreakingBlock(model.config)
+        breaking.load_state_dict(block.state_dict())
+        model.transformer.h[index] = breaking
+    return model, args, kwargs
+
+
 def sequence_first(seq: int = 32, batch: int = 2, seed: int = 0):
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)

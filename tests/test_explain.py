@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import tiny_llama, token_batch
+from sequence_models import break_in_every_block
 from ulysses_compile import DivisibilityError, UlyssesError, cli, explain
 from ulysses_compile.sharding import block_sizes
 
@@ -92,6 +93,23 @@ def test_explain_reports_fallbacks_with_their_source_and_graph_breaks():
     (fallback,) = report.fallbacks
     assert "roll" in fallback.op and "torch.roll(y, shifts=1, dims=1)" in fallback.source
     assert "fallbacks: 1" in str(report) and "graph break" in str(report)
+
+
+def test_explain_counts_every_run_of_a_graph_dynamo_reuses_for_each_layer():
+    """A graph break inside every block: one compiled graph holds a block's attention and runs once per
+    layer; the report counts each run's site, all-to-alls and saved activations."""
+    layers = 3
+    model, args, kwargs = break_in_every_block(layers=layers)
+    report = explain(model, *args, world_size=2, **kwargs)
+    with_sites = [index for index in set(report.runs) if report.graphs[index].attention_sites]
+    runs = {index: report.runs.count(index) for index in with_sites}
+    assert len(report.graphs) < len(report.runs) and max(runs.values()) > 1, report.runs
+    assert len(report.attention_sites) == sum(runs.values()) == layers and report.fallbacks == [], str(report)
+    totals = report.totals()
+    assert totals[("forward", "all_to_all")][0] == totals[("backward", "all_to_all")][0] == 2 * layers
+    assert all(f"graph {index} runs {count} times" in str(report) for index, count in runs.items() if count > 1)
+    one_layer = explain(*break_in_every_block(layers=1)[:1], *args, world_size=2, **kwargs)
+    assert report.memory.at().saved > 2 * one_layer.memory.at().saved
 
 
 def test_explain_errors(fake_group):

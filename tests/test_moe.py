@@ -11,7 +11,7 @@ import torch
 import moe_gpt
 from graphs import reporting_backend, rewritten_graphs
 from models import VOCAB, token_batch
-from multirank import compare_model, run_ranks
+from multirank import assert_close, compare_model, run_ranks
 from op_probes import PROBES
 
 SEQ = 24
@@ -27,8 +27,9 @@ def _hf_moe(name: str, experts: str = "grouped_mm", jitter: float = 0.0):
         config = t.MixtralConfig(intermediate_size=32, num_local_experts=4, output_router_logits=True,
                                  router_aux_loss_coef=0.1, router_jitter_noise=jitter, **shared)
         model = t.MixtralForCausalLM(config)
-    elif name == "qwen3_moe":  # a shared expert-free MoE with its own top-k normalisation
-        config = t.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **shared)
+    elif name == "qwen3_moe":  # a shared expert-free MoE with its own top-k normalisation, and its aux loss
+        config = t.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                  output_router_logits=True, router_aux_loss_coef=0.1, **shared)
         model = t.Qwen3MoeForCausalLM(config)
     else:  # DeepSeek-V3: sigmoid scores, a bias for the choice, group-limited routing, a shared expert
         shared.update(num_key_value_heads=4, head_dim=None)
@@ -53,6 +54,7 @@ CASES = {
     "deepseek_v3": lambda: _hf_moe("deepseek_v3"),
     "moe_gpt_sorted": lambda: _plain("sorted"),
     "moe_gpt_dense": lambda: _plain("dense"),
+    "moe_gpt_split": lambda: _plain("split"),
 }
 
 
@@ -75,14 +77,14 @@ def _results(output) -> dict:
 
 # KV heads of each case (of 4 query heads): at ranks that do not divide them they are gathered
 KV_HEADS = {"mixtral": 2, "mixtral_batched_mm": 2, "mixtral_jitter": 2, "qwen3_moe": 2, "deepseek_v3": 4,
-            "moe_gpt_sorted": 4, "moe_gpt_dense": 4}
+            "moe_gpt_sorted": 4, "moe_gpt_dense": 4, "moe_gpt_split": 4}
 
 
 def _assert_token_local(reports, kv_gathered: bool) -> None:
-    """Every attention parallelized by all-to-alls and nothing gathered, in every graph with attention
-    (router jitter's noise is drawn whole, as one process draws it, gathering nothing); a graph without
-    attention (Mixtral's loss, after transformers' router-logit capture breaks the graph) runs whole
-    and says why."""
+    """Every attention parallelized by all-to-alls and nothing gathered, in every graph (router jitter's
+    noise is drawn whole, as one process draws it, gathering nothing); a graph without attention
+    (Mixtral's loss, after transformers' router-logit capture ends the graph) runs on the blocks the
+    graph before it left, the hidden states and router logits crossing to it ungathered."""
     with_attention = [report for report in reports if report.attention_sites]
     assert with_attention, [str(report) for report in reports]
     for report in with_attention:
@@ -95,7 +97,9 @@ def _assert_token_local(reports, kv_gathered: bool) -> None:
         counted = [kinds.count(kind) for kind in ("seq_to_heads_qkv", "seq_to_heads", "gather_kv_heads", "heads_to_seq")]
         assert counted == ([0, sites, 2 * sites, sites] if kv_gathered else [sites, 0, 0, sites]), str(report)
         assert all(f.reason.endswith("(nothing gathered)") for f in report.fallbacks), str(report)
-    assert all(report.replicated for report in reports if not report.attention_sites)
+    for report in reports:
+        assert not report.replicated and not report.gathered_outputs, str(report)
+        assert all(f.reason.endswith("(nothing gathered)") for f in report.fallbacks), str(report)
 
 
 def moe_equal_to_eager(rank, world_size, names):
@@ -113,7 +117,8 @@ def moe_equal_to_eager(rank, world_size, names):
         torch.manual_seed(0)
         want = _results(reference(**inputs))
         want["loss"].backward()
-        assert got.keys() == want.keys() and (name != "mixtral" or want["aux_loss"].item() > 0 and "router_logits 1" in got)
+        assert got.keys() == want.keys()
+        assert name not in ("mixtral", "qwen3_moe") or want["aux_loss"].item() > 0 and "router_logits 1" in got
         compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
 
 
@@ -153,12 +158,60 @@ def test_sorted_rows_read_out_of_order_sort_the_whole_sequence(fake_group):
     assert "reads its rows before they are put back in token order" in fallbacks[0].reason
 
 
-def test_explain_shows_moe_blocks_on_the_ranks_tokens():
-    """``explain`` at 4 ranks, one process: a Qwen3-MoE's blocks gather nothing; the experts' weights
-    have their gradients summed over the ranks."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_explain_shows_moe_blocks_on_the_ranks_tokens(name):
+    """``explain`` at 4 ranks, one process: the MoE blocks and, with the router logits output (the
+    auxiliary loss), the loss graph after transformers' capture gather nothing (the only all-gathers
+    are of the 2 KV heads, fewer than the ranks); the experts' weights have their gradients summed
+    over the ranks."""
     from ulysses_compile import explain
 
-    model, inputs = CASES["qwen3_moe"]()
+    model, inputs = CASES[name]()
     report = explain(model, **inputs, world_size=4)
     assert report.fallbacks == [] and len(report.attention_sites) == 2, str(report)
+    assert len(report.graphs) == 2 and not any(g.replicated or g.gathered_outputs for g in report.graphs), str(report)
+    assert {c.purpose for c in report.collectives if c.kind == "all_gather"} == {"gather_kv_heads"}, str(report)
     assert any(c.purpose == "sync_grad" and c.where.endswith("mlp.experts") for c in report.collectives), str(report)
+
+
+def split_dispatch_trains_like_eager(rank, world_size):
+    """torchtitan's loop over experts: the token counts read with ``.tolist()`` break the graph in every
+    MoE layer. Every layer's attention runs parallel, the hidden states cross each break as the rank's
+    block, and the loss and every parameter follow eager through SGD steps on changing batches. Python
+    reads the counts of the whole batch, the same on every rank, so the ranks recompile together when
+    Dynamo specializes a count (0 and 1) and no rank compiles alone."""
+    model, (ids,), kwargs = moe_gpt.make(seq_len=SEQ, dispatch="split")
+    reference = copy.deepcopy(model)
+    reports = []
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend=reporting_backend(reports))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]  # (Adam turns a key bias's zero gradient, noise, into steps)
+    compiles = []
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        data = torch.randint(0, model.config.vocab_size, (2, SEQ + 1), generator=generator)
+        inputs, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        losses = []
+        for module, optimizer in zip((compiled, reference), optimizers):
+            optimizer.zero_grad()
+            loss = module(inputs, targets=targets)[1]
+            loss.backward()
+            losses.append(loss)
+        compare_model(rank, model, reference, {f"step {step} loss": tuple(losses)})
+        for optimizer in optimizers:
+            optimizer.step()
+        compiles.append(len(reports))
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, compiles)
+    assert all(other == compiles for other in everyone), everyone
+    with_attention = [report for report in reports if report.attention_sites]
+    assert len(with_attention) >= model.config.n_layer and not any(r.replicated for r in with_attention)
+    for report in reports:
+        assert not report.gathered_outputs, str(report)
+    for name, parameter in model.named_parameters():
+        assert_close(f"rank {rank} {name} after 4 steps", parameter, dict(reference.named_parameters())[name])
+
+
+@pytest.mark.multirank
+def test_a_data_dependent_break_in_every_moe_layer_trains_like_eager():
+    run_ranks(split_dispatch_trains_like_eager, 2)

@@ -27,15 +27,22 @@ def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
     assert gm.meta["ulysses_report"].fallbacks == []
 
 
-def test_graph_breaks_gather_what_crosses_them_and_say_so(fake_group):
+def test_graph_breaks_pass_the_ranks_blocks_on(fake_group):
+    """Each graph leaves its hidden states as the rank's block, the next graph takes that block (no
+    gather), and the graph after the last break (the LM head and loss, no attention) runs on it too."""
     fake_group(2)
     model, args, kwargs = graph_break_gpt()
     graphs = rewritten_graphs(model, args, kwargs)
     reports = [gm.meta["ulysses_report"] for gm in graphs]
     assert [len(report.attention_sites) for report in reports] == [1, 1, 0]
-    crossing = [line for report in reports[:2] for line in report.gathered_outputs]
-    assert len(crossing) == 2 and all("leaves the graph" in line and "[2, 32, 64]" in line for line in crossing)
-    assert reports[2].replicated == "no attention in this graph"
+    assert [report.replicated for report in reports] == ["", "", ""]
+    assert [report.gathered_outputs for report in reports] == [[], [], []]
+    assert [list(report.sharded_outputs) for report in reports] == [[0], [0], [0]]  # hidden, hidden, logits
+    assert all(f.reason.endswith("(nothing gathered)") for report in reports for f in report.fallbacks)
+    scattered = [[node.args[0].name for node in calls(gm, scatter_seq)] for gm in graphs[1:]]
+    assert scattered == [["l_x_"], ["l_x_", "view_1"]], scattered  # the hidden states' own blocks; the targets
+    kinds = [c.kind for c in reports[2].collectives]  # the loss' sum and count; the weights' gradients summed
+    assert kinds.count("reduce_partial") == 2 and set(kinds) == {"reduce_partial", "sync_grad"}, kinds
 
 
 def test_data_parallel_mesh_averages_every_trainable_parameter(fake_group):

@@ -103,6 +103,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         outputs_to_caller=returns_to_compile_caller(gm),
         graph_break=graph_break_reason(gm),
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
+        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

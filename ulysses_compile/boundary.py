@@ -18,12 +18,16 @@ outputs, which output), so ranks reading different outputs stop with a ``Collect
 mix them up; a rank that never reads leaves the others waiting for the process group's timeout, then
 failing. Ops that would change its shape in place (``transpose_``, ``out=``) are refused.
 
+The same holds for a value crossing a graph break: the Python between the graphs runs alike on every
+rank, reads it gathered, and hands it to the next graph, which takes the rank's block (``own_block``)
+and runs on it, with attention or without (``PassContext.lazy_inputs``).
+
 A ``DTensor`` keeps DTensor's semantics, not eager's (docs/how-it-works.md, "Outputs"), so it is an
-option. Only outputs that go straight to the ``torch.compile`` caller leave sharded
-(``compat.returns_to_compile_caller``); a value crossing a graph break is gathered inside the graph, as
-are outputs the caller could not be given: a DTensor's ``Shard`` holds ``torch.chunk``'s blocks and no
-placement describes merged dims (``[B*S, V]``), and a lazy output of a graph compiled for every length
-needs P to divide the length to know it.
+option, for outputs that go straight to the ``torch.compile`` caller (``compat.returns_to_compile_caller``);
+a value crossing a graph break is then gathered inside the graph, as are outputs the caller could not be
+given: a DTensor's ``Shard`` holds ``torch.chunk``'s blocks and no placement describes merged dims
+(``[B*S, V]``), and a lazy output of a graph compiled for every length needs P to divide the length to
+know it.
 """
 
 from __future__ import annotations
@@ -330,6 +334,17 @@ class GatheredOnUse(torch.Tensor):
         if isinstance(source, cls) and _writes_first_argument(func):
             return source
         return result
+
+
+def own_blocks(value, rank: int, world_size: int, group_name: str) -> tuple[int, int, int] | None:
+    """``(dim, outer, inner)`` of a ``GatheredOnUse`` not read yet that holds this rank's block in
+    ``group_name``'s layout; None for anything else."""
+    if not isinstance(value, GatheredOnUse) or value.gathered:
+        return None
+    layout = value._layout
+    if (layout.rank, layout.world_size, layout.group_name) != (rank, world_size, group_name):
+        return None
+    return layout.dim, layout.outer, layout.inner
 
 
 def _lazy_whole(block: torch.Tensor, layout: _Layout, length) -> GatheredOnUse:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from .boundary import own_blocks
 from .options import Options
-from .sharding import SHARDS
+from .sharding import SHARDS, Placement, seq_shard
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class PassContext:
     outputs_to_caller: bool = False  # the graph's outputs go straight to the torch.compile caller (compat)
     graph_break: str = ""  # why Dynamo ended the graph at a graph break, "" at a return (compat)
     checkpointed_side_effect_break: str = ""  # a graph break Dynamo recorded inside a checkpointed region (compat)
+    # placeholders holding a graph's sequence-sharded output left lazily (``boundary.GatheredOnUse``) ->
+    # its placement: this rank's block is there without a gather
+    lazy_inputs: dict[fx.Node, Placement] = field(default_factory=dict)
 
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:
@@ -35,3 +39,15 @@ class PassContext:
                     source in name for source in ("_parameters_", "_buffers_", f"_dict{SHARDS}_")):
                 found.add(node)
         return frozenset(found)
+
+    @staticmethod
+    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group) -> dict[fx.Node, Placement]:
+        """The placeholders whose value is a sequence-sharded output of a graph of this group, left
+        lazily and not read yet, with their placement."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = {}
+        for node, value in zip(placeholders, example_inputs):
+            factors = own_blocks(value, group.rank(), group.size(), group.group_name)
+            if factors is not None:
+                found[node] = seq_shard(*factors)
+        return found

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .backend import aot, rewrite
+from .boundary import leave_sharded
 from .compat import (
     BackendCompilerFailed,
     FakeTensorMode,
@@ -86,7 +88,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
                            f"of each parameter the optimizer keeps, 0 or more (AdamW: 2)")
     opts = Options.parse({**(options or {}), "compiler": "aot_eager"})
     report = Report(world_size=world_size, rank=rank)
-    graphs_memory: list[GraphMemory] = []
+    explained: list[_Explained] = []
     hints: dict = {}
     model = copy.deepcopy(model)
     # a checkpointed region that draws random numbers (SDPA) replays the real generator state in the backward
@@ -100,7 +102,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     try:
         # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
         compiled = compile_partitioned(
-            model, lambda gm, inputs: _compile(gm, inputs, opts, report, graphs_memory, hints),
+            model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints),
             zero_stage=zero_stage, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
             options=dict(options or {}), dynamic=dynamic)
         with fake_mode or contextlib.nullcontext():
@@ -119,8 +121,26 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     if fake_mode is not None:
         for graph in report.graphs:
             graph.notes.append(FAKE_NOTE)
-    report.memory = _step_memory(model, graphs_memory, optimizer_states, hints)
+    runs = [explained[index] for index in report.runs]
+    for run in runs:
+        report.attention_sites += run.sites
+        report.ulysses_minimum_bytes += run.minimum_bytes
+        report.collectives += run.collectives["forward"]
+    for run in reversed(runs):  # the backward runs the graphs' programs in reverse
+        report.collectives += run.collectives["backward"]
+    report.memory = _step_memory(model, [run.memory for run in runs if run.memory is not None], optimizer_states, hints)
     return report
+
+
+@dataclass
+class _Explained:
+    """One compiled graph's share of a step, counted once for each time the graph runs (Dynamo runs one
+    graph for every layer whose code resumes after a graph break at the same place)."""
+
+    sites: list[SiteReport]
+    minimum_bytes: int
+    collectives: dict[str, list[CollectiveCall]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    memory: GraphMemory | None = None
 
 
 def _step_memory(model: torch.nn.Module, graphs: list[GraphMemory], optimizer_states: int, hints: dict) -> StepMemory:
@@ -168,31 +188,39 @@ def _to_fake(model: torch.nn.Module, inputs, mode):
     return tree_map(fake, inputs)
 
 
-def _compile(gm, example_inputs, opts: Options, report: Report, graphs_memory: list[GraphMemory], hints: dict):
+def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[_Explained], hints: dict):
     ctx, graph_report = rewrite(gm, example_inputs, opts, dist.group.WORLD)
+    index = len(report.graphs)
     report.graphs.append(graph_report)
-    report.attention_sites += [_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites]
     report.rejected_attention += graph_report.rejected_attention
     report.fallbacks += graph_report.fallbacks
-    if not graph_report.replicated:
-        for site in graph_report.attention_sites:
-            report.ulysses_minimum_bytes += _minimum_bytes(site, ctx.world_size, ctx.rank)
-    graph_memory: GraphMemory | None = None  # of this graph's programs, from its forward on
+    split = not graph_report.replicated
+    graph = _Explained(
+        sites=[_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites],
+        minimum_bytes=sum(_minimum_bytes(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites
+                          if split))
+    explained.append(graph)
 
     def keep(phase):
-        def compile_phase(graph, inputs):
-            report.collectives += _collective_calls(graph, phase)
-            nonlocal graph_memory
+        def compile_phase(program, inputs):
+            graph.collectives[phase] = _collective_calls(program, phase)
             if phase == "forward":
-                graph_memory = GraphMemory.of_forward(graph.graph, hints)
-                graphs_memory.append(graph_memory)
+                graph.memory = GraphMemory.of_forward(program.graph, hints)
             else:
-                graph_memory.add_backward(graph.graph, hints)
-            return make_boxed_func(graph.forward)
+                graph.memory.add_backward(program.graph, hints)
+            return make_boxed_func(program.forward)
 
         return compile_phase
 
-    return aot(keep("forward"), keep("backward"))(gm, example_inputs)
+    compiled = leave_sharded(aot(keep("forward"), keep("backward"))(gm, example_inputs),
+                             graph_report.sharded_outputs, graph_report.computed_outputs, opts, dist.group.WORLD,
+                             f"explained graph {index}")
+
+    def run(*args):
+        report.runs.append(index)
+        return compiled(*args)
+
+    return run
 
 
 def _site_report(site, world_size: int, rank: int) -> SiteReport:

@@ -62,7 +62,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
-        report.replicated = _why_replicated(detection, ctx.world_size)
+        report.replicated = _why_replicated(detection, ctx)
         if not detection.sites and ctx.checkpointed_side_effect_break:
             report.notes.append(_broken_checkpointed_region(ctx.checkpointed_side_effect_break))
             _warn_once(report.notes[-1])
@@ -101,7 +101,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
     if outputs.gathered and not ctx.outputs_to_caller:
-        report.notes.append(_gathered_at_a_graph_break(ctx.graph_break))
+        report.notes.append(_gathered_at_a_graph_break(ctx.graph_break, ctx.options.outputs))
         _warn_once(report.notes[-1])
     tiled = _run(report, tile_token_loss, gm, ctx, report.sharded_outputs)
     report.notes += tiled.notes
@@ -128,17 +128,19 @@ def _broken_checkpointed_region(reason: str) -> str:
             f"recomputation)")
 
 
-def _gathered_at_a_graph_break(reason: str) -> str:
-    """What a graph break after the attention costs, and how to remove the break. ``reason``: Dynamo's,
-    where this graph ends at the break itself; a graph that returns into a frame Dynamo resumes after a
-    break deeper in the model (transformers' decoder layers) has none."""
+def _gathered_at_a_graph_break(reason: str, outputs: str) -> str:
+    """What a graph break after the attention costs where values cross it gathered, and how to avoid it.
+    ``reason``: Dynamo's, where this graph ends at the break itself; a graph that returns into a frame
+    Dynamo resumes after a break deeper in the model (transformers' decoder layers) has none."""
     where = f"it ends at a graph break: {reason}" if reason else "the code it returns to runs on before the caller reads them, as after a graph break"
     logging_hint = (" A logging call breaks the graph: transformers warns about use_cache under gradient "
                     "checkpointing, so call the model with use_cache=False (or set model.config.use_cache = False); "
                     "for other loggers add the method to torch._dynamo.config.ignore_logging_functions")
     return (f"this graph's sequence-sharded outputs are gathered on every rank ({where}), and a graph after it "
             f"that holds no attention (an LM head and its loss: [S, vocab] logits) runs on the whole sequence on "
-            f"every rank. Remove the graph break (TORCH_LOGS=graph_breaks shows it)."
+            f"every rank. Remove the graph break (TORCH_LOGS=graph_breaks shows it)"
+            + (f", or leave option outputs at its default \"lazy\" (not {outputs!r}), which passes the rank's block "
+               f"across it." if outputs != "lazy" else ".")
             + (logging_hint if not reason or "Logger" in reason else ""))
 
 
@@ -180,11 +182,15 @@ def _run(report: GraphReport, graph_pass, gm: fx.GraphModule, ctx: PassContext, 
     return result
 
 
-def _why_replicated(detection: Detection, world_size: int) -> str:
+def _why_replicated(detection: Detection, ctx: PassContext) -> str:
     """A graph without attention, or whose sequences are shorter than the ranks (blocks would be empty,
     and a compiler may drop the collectives of an empty block on some ranks only), is computed whole
-    on every rank: exact, and at such lengths nothing is gained by splitting."""
-    sites = detection.sites
+    on every rank: exact, and at such lengths nothing is gained by splitting. A graph that receives
+    sequence-sharded values a graph before it left lazily (the hidden states and router logits after a
+    graph break) runs on those blocks, with or without attention."""
+    sites, world_size = detection.sites, ctx.world_size
+    if not sites and ctx.lazy_inputs:
+        return ""
     if not sites and detection.rejected:
         more = f" (and {len(detection.rejected) - 1} more rejected)" if len(detection.rejected) > 1 else ""
         return f"no attention in this graph is parallelized: {detection.rejected[0]}{more}"

@@ -134,6 +134,9 @@ class Report:
     graph_breaks: list[str] = field(default_factory=list)
     ulysses_minimum_bytes: int = 0  # the sites' q, k, v, output all-to-alls, forward and backward
     memory: StepMemory | None = None  # the per-rank memory estimate of a training step
+    # the index in ``graphs`` of each graph run, in order: a graph Dynamo reuses for every layer after a
+    # graph break runs once per layer, and the sites, collectives and memory above count every run
+    runs: list[int] = field(default_factory=list)
 
     def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(phase, kind) -> (calls, bytes)."""
@@ -149,6 +152,9 @@ class Report:
     def __str__(self) -> str:
         lines = [f"ulysses_compile at P = {self.world_size} (rank {self.rank}): {len(self.graphs)} graph(s), "
                  f"{len(self.graph_breaks)} graph break reason(s)"]
+        reused = {index: self.runs.count(index) for index in sorted(set(self.runs)) if self.runs.count(index) > 1}
+        lines += [f"  graph {index} runs {count} times (Dynamo reuses it after a graph break); each run is counted"
+                  for index, count in reused.items()]
         lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
         lines += [f"  graph {i} runs replicated: {graph.replicated}" for i, graph in enumerate(self.graphs)
                   if graph.replicated]
