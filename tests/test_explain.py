@@ -235,3 +235,47 @@ def test_zero_with_sequence_parallelism_reduces_each_gradient_once():
     (graph,) = report.graphs
     assert "sync_grad" not in graph.graphs["merge_gradient_reductions"]
     assert "sync_grad" in graph.graphs["average_data_parallel_grads"]
+
+
+PROFILED_KINDS = {"all_to_all": "alltoall", "all_gather": "allgather", "all_reduce": "allreduce",
+                  "reduce_scatter": "reduce_scatter_tensor"}
+
+
+def _explained_calls(zero_stage: int, layers: int) -> dict[str, int]:
+    ids, labels = token_batch(seq=32)
+    report = explain(tiny_llama(layers=layers), input_ids=ids, labels=labels, use_cache=False, world_size=2,
+                     zero_stage=zero_stage, options={"check_inputs": False})
+    calls = {}
+    for (_, kind), (count, _) in report.totals().items():
+        calls[PROFILED_KINDS[kind]] = calls.get(PROFILED_KINDS[kind], 0) + count
+    return calls
+
+
+def profiled_calls_match_explain(rank, world_size, zero_stage, layers, explained):
+    from zero_memory import collectives_by_kind
+
+    from ulysses_compile import parallelize
+
+    ids, labels = token_batch(seq=32)
+    options = {"compiler": "aot_eager", "check_inputs": False}
+    model = tiny_llama(layers=layers)
+    compiled = parallelize(model, zero_stage=zero_stage, **options) if zero_stage else \
+        torch.compile(model, backend="ulysses", options=options)
+
+    def step():
+        compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+
+    step()  # the first call compares what the ranks compiled and hold: checks outside the programs
+    called = collectives_by_kind(step)
+    assert dict(called) == explained, (dict(called), explained)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_explain_lists_the_collectives_a_compiled_step_calls(zero_stage):
+    """What explain lists for the forward and backward programs is what torch's profiler counts the
+    compiled step calling on two gloo ranks, kind by kind (AOTAutograd's programs, run as they are)."""
+    from multirank import run_ranks
+
+    explained = _explained_calls(zero_stage, layers=2)
+    run_ranks(profiled_calls_match_explain, 2, zero_stage, 2, explained)
