@@ -147,3 +147,45 @@ def module_states_agree_or_are_synced(rank, world_size):
 @pytest.mark.multirank
 def test_module_states_agree_across_ranks_or_are_synced():
     run_ranks(module_states_agree_or_are_synced, 2)
+
+
+def checks_cost_one_small_all_reduce_per_call(rank, world_size):
+    """After the first call (which compares what the ranks compiled and hold), the checks add one
+    collective to a training step: the input check's all-reduce of [2 x entries] float64, entries 4 per
+    integer input (count, sum, two weighted sums): 128 bytes for input_ids and labels."""
+    ids, labels = token_batch(seq=32)
+    per_setting, reduced = {}, []
+    all_reduce = torch.distributed.all_reduce
+
+    def recorded(tensor, *args, **kwargs):
+        reduced.append((tuple(tensor.shape), tensor.dtype))
+        return all_reduce(tensor, *args, **kwargs)
+
+    for check_inputs in (True, False):
+        torch.compiler.reset()
+        model = torch.compile(tiny_llama(layers=1), backend="ulysses",
+                              options={"compiler": "aot_eager", "check_inputs": check_inputs})
+
+        def step():
+            model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+
+        step()
+        reduced.clear()
+        torch.distributed.all_reduce = recorded
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                step()
+        finally:
+            torch.distributed.all_reduce = all_reduce
+        per_setting[check_inputs] = [event.name for event in profile.events() if event.name.startswith("c10d::")]
+        if check_inputs:
+            assert reduced == [((16,), torch.float64)], reduced  # 128 bytes
+    added = list(per_setting[True])
+    for name in per_setting[False]:
+        added.remove(name)
+    assert added == ["c10d::allreduce_"], added
+
+
+@pytest.mark.multirank
+def test_the_checks_add_one_small_all_reduce_per_step():
+    run_ranks(checks_cost_one_small_all_reduce_per_call, 2)
