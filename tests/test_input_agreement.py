@@ -189,3 +189,30 @@ def checks_cost_one_small_all_reduce_per_call(rank, world_size):
 @pytest.mark.multirank
 def test_the_checks_add_one_small_all_reduce_per_step():
     run_ranks(checks_cost_one_small_all_reduce_per_call, 2)
+
+
+def per_rank_seeds(rank, world_size):
+    """Ranks seeded ``100 + rank`` after an identical init, dropout 0.1 on the activations (none inside
+    the attention kernel): where the graph computes the dropout whole (a sequence shorter than the
+    ranks) each rank would draw its own mask for the same tensor, so the first call is refused on every
+    rank; ranks seeded alike run it, and so do ranks seeded apart where every draw is sliced to the
+    rank's block (independent blocks, as one device's)."""
+    import nanogpt
+
+    for seq, seed, refused in ((1, 100 + rank, True), (1, 100, False), (32, 100 + rank, False)):
+        model, (ids,), kwargs = nanogpt.make(seq_len=seq, dropout=0.1)
+        for block in model.transformer.h:
+            block.attn.dropout = 0.0
+        torch.compiler.reset()
+        compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})
+        torch.manual_seed(seed)
+        if refused:
+            with pytest.raises(RankMismatchError, match="random generators are in different states.*not seed \\+ rank"):
+                compiled(ids, **kwargs)
+        else:
+            compiled(ids, **kwargs)[1].backward()
+
+
+@pytest.mark.multirank
+def test_per_rank_seeds_are_refused_where_a_draw_is_read_whole():
+    run_ranks(per_rank_seeds, 2)

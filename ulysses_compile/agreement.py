@@ -189,11 +189,14 @@ class InputCheck:
     alike in int64); floating ones within 1e-6 of the sum of their magnitudes, since ranks may round
     differently (another kernel, another summation order)."""
 
-    def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str):
+    def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str,
+                 draws: list[str] = ()):
         self.names, self.positions = names, positions  # the user inputs among the graph's inputs
-        self.group, self.rank, self.graph_name = group, rank, graph_name
+        self.group, self.rank, self.graph_name, self.draws = group, rank, graph_name, list(draws)
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
+        if self.draws:
+            self.names = [*names, GENERATOR]
         self.pending = None
         self.calls = 0
 
@@ -202,7 +205,10 @@ class InputCheck:
             pending, self.pending = self.pending, None
             self._compare(*pending)
         entries, meaning = [], []  # meaning: (input index, index of its magnitude entry or None, weight)
-        for index, value in enumerate(args[position] for position in self.positions):
+        values = [args[position] for position in self.positions]
+        if self.draws:  # the state the graph's draws start from
+            values.append(torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.get_rng_state())
+        for index, value in enumerate(values):
             fingerprint, floating = _fingerprint(value)
             magnitude = len(entries) + 1 if floating else None
             meaning += [(index, None if slot == 0 else magnitude, _FLOAT_WEIGHT if slot >= 3 else 1)
@@ -241,6 +247,17 @@ class InputCheck:
         if differing:
             when = "its first call" if call == 1 else f"call {call}, " + (
                 "which has run (on a GPU the check settles at the next call)" if ran else "before it ran")
+            if GENERATOR in differing:
+                raise RankMismatchError(
+                    f"rank {self.rank}: the sequence-parallel ranks' random generators are in different states at "
+                    f"{self.graph_name} ({when}), which reads random draws whole on every rank "
+                    f"({', '.join(self.draws[:3])}{' ...' if len(self.draws) > 3 else ''}: computed whole, not on "
+                    f"the rank's block), so each rank would draw other values for the same tensor and the ranks "
+                    f"would train different models. Seed every rank of the group alike (torch.manual_seed(seed), not "
+                    f"seed + rank; a data-parallel replica may have its own, on the mesh's \"dp\" dim), and draw "
+                    f"random numbers outside the model alike on every rank, or set the dropout to 0. "
+                    f"options={{\"check_inputs\": False}} turns this check off."
+                )
             raise RankMismatchError(
                 f"rank {self.rank}: the sequence-parallel ranks passed different values in "
                 f"{', '.join(dict.fromkeys(differing))} to {self.graph_name} ({when}), so each rank's block would "
@@ -251,6 +268,7 @@ class InputCheck:
             )
 
 
+GENERATOR = "the random generator's state"  # what the input check compares beside the inputs, for draws read whole
 _BLOCK = 1 << 16  # elements weighted by one row of the weight table
 _CHUNK = 1 << 22  # elements read at a time (a multiple of _BLOCK), so a large input costs no full-size copy
 _FLOAT_WEIGHT = 4.0  # the largest weight of a floating input's weighted sums (two factors in [1, 2))

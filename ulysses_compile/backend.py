@@ -59,7 +59,8 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     expected = fingerprint(gm, example_inputs)
     ctx, report = rewrite(gm, example_inputs, opts, group)
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
-    check = _input_check(gm, ctx, group, graph_name) if opts.check_inputs and group.size() > 1 else None
+    check = _input_check(gm, ctx, group, graph_name, report.replicated_draws) \
+        if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if opts.verify == "short":
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
@@ -83,11 +84,12 @@ def _module_state(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[int, str]]
 ulysses.backend_ctx_ctor = CompiledCall
 
 
-def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str) -> InputCheck:
-    """The check of every call's user inputs (not parameters, buffers or ZeRO shards) across the group."""
+def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str, draws: list[str]) -> InputCheck:
+    """The check of every call's user inputs (not parameters, buffers or ZeRO shards) across the group,
+    and of the random generator's state where the graph reads random draws whole (``draws``)."""
     names = input_names(gm)
     positions = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node not in ctx.parameters]
-    return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name)
+    return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name, draws)
 
 
 def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[PassContext, GraphReport]:

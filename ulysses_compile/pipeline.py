@@ -44,7 +44,9 @@ from .passes.regather_parameters import regather_parameters
 from .passes.return_weight_inputs import return_weight_inputs
 from .passes.tile_mlp import tile_mlp
 from .passes.tile_token_loss import tile_token_loss
-from .report import Collective, GraphReport
+from .graph_walk import draws_random_numbers
+from .report import Collective, GraphReport, module_path
+from .sharding import is_sharded, sharding_of
 
 log = logging.getLogger("ulysses_compile")
 
@@ -69,6 +71,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         if not report.replicated:
             _split(gm, ctx, detection.sites, report)
     if report.replicated:
+        report.replicated_draws = _replicated_draws(gm)
         # What a graph that is not split still needs: its checkpointed regions opened (the tags are this
         # backend's), gradients averaged over a data-parallel mesh, ZeRO-3's re-gathers.
         log.info("ulysses_compile: %s; it runs replicated on every rank", report.replicated)
@@ -97,6 +100,7 @@ def one_rank_rewrites(gm: fx.GraphModule) -> list[str]:
 
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
+    report.replicated_draws = _replicated_draws(gm)
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded
@@ -113,6 +117,23 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, insert_all_to_all, gm, ctx, sites)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
+
+
+def _replicated_draws(gm: fx.GraphModule) -> list[str]:
+    """The random draws whose values some op reads whole (not sliced to the rank's block): in a graph
+    computed whole, every draw. Ranks whose generators differ would read different values there, where
+    a draw sliced by every reader gives independent blocks, as one device's draw would."""
+    found = []
+    for node in gm.graph.nodes:
+        if not draws_random_numbers(node):
+            continue
+        sharding = sharding_of(node)
+        if sharding is not None and (is_sharded(sharding.output) or all(
+                is_sharded((sharding_of(user).inputs if sharding_of(user) else {}).get(node)) for user in node.users)):
+            continue
+        found.append(f"{node.name} ({node.target if isinstance(node.target, str) else node.target.__name__})"
+                     + (f" at {module_path(node)}" if module_path(node) else ""))
+    return found
 
 
 def _broken_checkpointed_region(reason: str) -> str:

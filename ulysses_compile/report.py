@@ -61,6 +61,7 @@ class GraphReport:
     computed_outputs: dict[int, LazyLinear] = field(default_factory=dict)  # sharded output -> how it is computed
     fallbacks: list[Fallback] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
+    replicated_draws: list[str] = field(default_factory=list)  # random draws read whole: the ranks' generators must agree
     collectives: list[Collective] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     captured: str = ""  # the graph's code as Dynamo captured it
