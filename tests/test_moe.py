@@ -54,7 +54,6 @@ CASES = {
     "deepseek_v3": lambda: _hf_moe("deepseek_v3"),
     "moe_gpt_sorted": lambda: _plain("sorted"),
     "moe_gpt_dense": lambda: _plain("dense"),
-    "moe_gpt_split": lambda: _plain("split"),
 }
 
 
@@ -77,7 +76,7 @@ def _results(output) -> dict:
 
 # KV heads of each case (of 4 query heads): at ranks that do not divide them they are gathered
 KV_HEADS = {"mixtral": 2, "mixtral_batched_mm": 2, "mixtral_jitter": 2, "qwen3_moe": 2, "deepseek_v3": 4,
-            "moe_gpt_sorted": 4, "moe_gpt_dense": 4, "moe_gpt_split": 4}
+            "moe_gpt_sorted": 4, "moe_gpt_dense": 4}
 
 
 def _assert_token_local(reports, kv_gathered: bool) -> None:
