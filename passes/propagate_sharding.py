@@ -121,13 +121,15 @@ class _Placed:
 def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     """Place every node; returns what propagation must revisit."""
     feeds_attention = ancestors(n for site in sites for n in (site.query, site.key, site.value))
-    feeds_attention -= ancestors(mask for site in sites for mask in site.mask_inputs())
+    feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
     head_parallel = _head_parallel_nodes(sites)
     seq_dims = sequence_dims(sites, ctx.parameters)
     seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
+    reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
-    feeds_attention -= {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
+    views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
+    starts = (feeds_attention | reads_lazy) - feeds_masks - views_of_written
     view = RuleView(_output_placement, ctx.world_size)
     placed = _Placed()
     for node in gm.graph.nodes:
@@ -150,8 +152,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                       for arg in view.tensor_args(node)}
             place(node, NodeSharding(by_heads, value, inputs))
         else:
-            starts = node in feeds_attention or any(arg in ctx.lazy_inputs for arg in node.all_input_nodes)
-            sharding, fallback = _decide(node, value, view, ctx, starts, node in site_nodes,
+            sharding, fallback = _decide(node, value, view, ctx, node in starts, node in site_nodes,
                                          seq_dims, seq_lengths, refused.get(node.name))
             placed.fallbacks += [fallback] if fallback is not None else []
             if may_alias(node) and fallback is not None:

@@ -102,9 +102,13 @@ def tile_token_loss(gm: fx.GraphModule, ctx, sharded: dict) -> TiledLosses:
 
 def _returned_only(linear: fx.Node, flat: fx.Node, output: fx.Node, sharded: dict, ctx) -> int | None:
     """The output position of ``linear`` when the loss and that output are its only uses, the output leaves
-    the graph sharded and read lazily, and ``linear`` keeps its input's dtype and placement; else None."""
+    the graph sharded and read lazily by the caller, and ``linear`` keeps its input's dtype and placement;
+    else None. Logits crossing a graph break are computed in the graph: Dynamo reads the tensors it
+    hands the next graph (a fake copy, guards) as often as it likes, and a read of logits computed when
+    read is collective."""
     values = output.args[0]
-    if ctx.options.outputs != "lazy" or set(linear.users) != {flat, output} or not isinstance(values, (tuple, list)):
+    if ctx.options.outputs != "lazy" or not ctx.outputs_to_caller or set(linear.users) != {flat, output} \
+            or not isinstance(values, (tuple, list)):
         return None
     positions = [position for position, value in enumerate(values) if value is linear]
     hidden, weight = sharding_of(linear.args[0]), sharding_of(linear.args[1])

@@ -52,6 +52,37 @@ class GraphBreakGPT(nanogpt.GPT):
         return logits, loss
 
 
+class BreakAround(nanogpt.GPT):
+    """nanoGPT with a graph break where a test puts it: ``"after_loss"`` between the loss and the return
+    (the logits cross the break), ``"write"`` before the second block, which then writes its input in
+    place."""
+
+    where = "after_loss"
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t, device=idx.device))
+        first, second = self.transformer.h
+        x = first(x)
+        if self.where == "write":
+            torch._dynamo.graph_break()
+            x.mul_(2)
+        x = second(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        if self.where == "after_loss":
+            torch._dynamo.graph_break()
+        return logits, loss
+
+
+def break_around(where: str, seq: int = 32, seed: int = 0):
+    model, args, kwargs = nanogpt.make(seq_len=seq, seed=seed)
+    broken = BreakAround(model.config)
+    broken.load_state_dict(model.state_dict())
+    broken.where = where
+    return broken, args, kwargs
+
+
 class BreakingBlock(nanogpt.Block):
     """A block whose code breaks the graph between its attention and its MLP: Dynamo compiles the code
     before the break once, then runs that one graph for every layer."""

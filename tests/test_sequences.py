@@ -11,7 +11,7 @@ import torch
 from attention_forms import outputs_of
 from models import model_zoo, token_batch, tiny_llama, zoo_inputs
 from multirank import compare_model, run_ranks
-from sequence_models import graph_break_gpt, sequence_first
+from sequence_models import break_around, graph_break_gpt, sequence_first
 from graphs import calls, rewritten_graphs
 from ulysses_compile import RankMismatchError
 from ulysses_compile.collectives import average_grad, heads_to_seq, scatter_seq, seq_to_heads, seq_to_heads_qkv
@@ -224,3 +224,22 @@ def dynamic_lengths_equal_to_eager(rank, world_size):
 @pytest.mark.multirank
 def test_changing_lengths_compile_at_most_once_per_class_and_equal_eager():
     run_ranks(dynamic_lengths_equal_to_eager, 2)
+
+
+def breaks_around_the_head(rank, world_size):
+    """Logits the tiled loss would compute when read cross a graph break computed, as the rank's block:
+    equal to eager. A graph that writes in place into the block the graph before it left gets an
+    ``UnsupportedError`` with the fix on every rank, where it would lose the write's gradient."""
+    from ulysses_compile import UnsupportedError
+
+    _equal_to_eager(rank, *break_around("after_loss", seq=31), "logits across a break")
+    model, args, kwargs = break_around("write")
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="writes in place into a sequence-sharded value") as raised:
+        torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})(*args, **kwargs)
+    assert isinstance(raised.value, UnsupportedError) or "UnsupportedError" in str(raised.value)
+
+
+@pytest.mark.multirank
+def test_values_crossing_breaks_around_the_head():
+    run_ranks(breaks_around_the_head, 2)

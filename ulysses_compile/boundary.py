@@ -242,11 +242,12 @@ class GatheredOnUse(torch.Tensor):
 
     def own_block(self, dim, outer, inner, rank, world_size, group_name) -> torch.Tensor | None:
         """This rank's block, when ``scatter_seq`` takes the block the graph that made it returned (same
-        layout, rank and group) from a whole not gathered yet: the block itself, no gather. Else None."""
+        layout, rank and group) from a whole not gathered yet (nor gathered in the graph being traced,
+        which may have written into it): the block itself, no gather. Else None."""
         layout = self._layout
         same = (dim, outer, inner, rank, world_size, group_name) == \
             (layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size, layout.group_name)
-        if not same or self._kept:
+        if not same or self._kept or getattr(self, "_traced", None) is not None:
             return None
         block = self._block
         size = outer * block_range(self._length, world_size, rank)[1] * inner
@@ -330,6 +331,7 @@ class GatheredOnUse(torch.Tensor):
             block = source._source if isinstance(source._source, LinearRows) else func(source._source)
             return cls(block, None, source._layout, source._length, source._read, source._kept)
         _refuse_reshaping_writes(func, args, kwargs)
+        _refuse_traced_writes(func, source)
         result = func(*tree_map(_whole_of, args), **tree_map(_whole_of, kwargs))
         if isinstance(source, cls) and _writes_first_argument(func):
             return source
@@ -375,6 +377,19 @@ def _refuse_reshaping_writes(func, args, kwargs) -> None:
             f"{func.__name__} writes into a sequence-sharded output of the compiled model (gathered when read), "
             f"changing its shape or strides in place, which it cannot follow; use the op's out-of-place form "
             f"(x = x.transpose(1, 2), not x.transpose_(1, 2); torch.sum(x, 0), not out=x), or x = x.clone() first"
+        )
+
+
+def _refuse_traced_writes(func, source) -> None:
+    """A graph being compiled that writes in place into a sequence-sharded value of the graph before it:
+    the write would land on the whole the graph gathers, and its gradient would not reach the block."""
+    if isinstance(source, GatheredOnUse) and not source._kept and is_fake(source._source) \
+            and _writes_first_argument(func):
+        raise UnsupportedError(
+            f"{func.__name__} writes in place into a sequence-sharded value that a compiled graph before this one "
+            f"left as the rank's block (the hidden states crossing a graph break, or the output of a block "
+            f"compiled on its own), which this graph cannot write; use the op's out-of-place form (x = x * 2, not "
+            f"x.mul_(2)), or compile with options={{'outputs': 'gather'}}, which gathers such values"
         )
 
 
@@ -473,10 +488,11 @@ def computed_outputs(outputs, computed: dict[int, LazyLinear]) -> list:
 
 
 def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[int, LazyLinear], options, group,
-                  graph_name: str):
+                  graph_name: str, calls=_LAZY_CALLS):
     """``compiled`` with its sequence-sharded outputs (position -> blocks) returned to the caller as
     ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``); the outputs in ``computed``
-    (``computed_outputs``) are computed only when read."""
+    (``computed_outputs``) are computed only when read. ``calls`` numbers the calls whose outputs are
+    lazy, alike on every rank (a simulation in one process counts its own)."""
     if not sharded:
         return compiled
     rank, world_size, group_name = group.rank(), group.size(), group.group_name
@@ -486,7 +502,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
         outputs = list(compiled(*args))
         sources = {position: outputs[lazy.weight] for position, lazy in computed.items()}
         outputs = outputs[:len(outputs) - len(computed)]
-        call = next(_LAZY_CALLS) if options.outputs == "lazy" else None
+        call = next(calls) if options.outputs == "lazy" else None
         for position, blocks in sharded.items():
             block = outputs[position]
             if options.outputs == "dtensor":

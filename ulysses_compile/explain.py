@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     report = Report(world_size=world_size, rank=rank)
     explained: list[_Explained] = []
     hints: dict = {}
+    lazy_calls = itertools.count()  # explain's own: the process's count is the real ranks' (boundary._LAZY_CALLS)
     model = copy.deepcopy(model)
     # a checkpointed region that draws random numbers (SDPA) replays the real generator state in the backward
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if _on_meta(model, args, kwargs) else None
@@ -102,7 +104,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     try:
         # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
         compiled = compile_partitioned(
-            model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints),
+            model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints, lazy_calls),
             zero_stage=zero_stage, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
             options=dict(options or {}), dynamic=dynamic)
         with fake_mode or contextlib.nullcontext():
@@ -128,7 +130,8 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         report.collectives += run.collectives["forward"]
     for run in reversed(runs):  # the backward runs the graphs' programs in reverse
         report.collectives += run.collectives["backward"]
-    report.memory = _step_memory(model, [run.memory for run in runs if run.memory is not None], optimizer_states, hints)
+    report.memory = _step_memory(model, [(index, explained[index].memory) for index in report.runs
+                                         if explained[index].memory is not None], optimizer_states, hints)
     return report
 
 
@@ -143,11 +146,14 @@ class _Explained:
     memory: GraphMemory | None = None
 
 
-def _step_memory(model: torch.nn.Module, graphs: list[GraphMemory], optimizer_states: int, hints: dict) -> StepMemory:
+def _step_memory(model: torch.nn.Module, runs: list[tuple[int, GraphMemory]], optimizer_states: int,
+                 hints: dict) -> StepMemory:
+    """``runs``: the number and memory of the graph each run ran."""
     local = [(param.to_local() if isinstance(param, DTensor) else param, param.requires_grad)
              for param in model.parameters()]
     sizes = [(tensor.numel() * tensor.element_size(), trainable) for tensor, trainable in local]
-    return StepMemory(graphs=graphs, parameters=sum(size for size, _ in sizes),
+    return StepMemory(graphs=[memory for _, memory in runs], numbers=[number for number, _ in runs],
+                      parameters=sum(size for size, _ in sizes),
                       trainable=sum(size for size, trainable in sizes if trainable),
                       largest_shard=max((size for size, trainable in sizes if trainable), default=0),
                       optimizer_states=optimizer_states, hints=hints)
@@ -188,7 +194,7 @@ def _to_fake(model: torch.nn.Module, inputs, mode):
     return tree_map(fake, inputs)
 
 
-def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[_Explained], hints: dict):
+def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[_Explained], hints: dict, calls):
     ctx, graph_report = rewrite(gm, example_inputs, opts, dist.group.WORLD)
     index = len(report.graphs)
     report.graphs.append(graph_report)
@@ -214,7 +220,7 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
 
     compiled = leave_sharded(aot(keep("forward"), keep("backward"))(gm, example_inputs),
                              graph_report.sharded_outputs, graph_report.computed_outputs, opts, dist.group.WORLD,
-                             f"explained graph {index}")
+                             f"explained graph {index}", calls)
 
     def run(*args):
         report.runs.append(index)

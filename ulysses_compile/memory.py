@@ -258,7 +258,8 @@ def _mib(size: int) -> str:
 class StepMemory:
     """The estimate: the graphs' programs, the parameters this rank holds and its optimizer."""
 
-    graphs: list[GraphMemory]
+    graphs: list[GraphMemory]  # in the order they run, a graph run for several layers once per run
+    numbers: list[int]  # the number of each run's graph in the report (``Report.graphs``)
     parameters: int  # bytes this rank holds (a ZeRO shard: its rows)
     trainable: int  # of which require gradients
     largest_shard: int
@@ -289,10 +290,10 @@ class StepMemory:
                 largest = sorted([*held, *timeline.alive_at(step, sizes)], key=lambda item: -item[1])[:_LARGEST]
 
         for index, graph in enumerate(self.graphs):
-            consider([("saved by earlier graphs", sum(saved[:index]))], graph.forward, f"the forward of graph {index}")
+            consider([("saved by earlier graphs", sum(saved[:index]))], graph.forward, f"the forward of graph {self.numbers[index]}")
         for index in reversed(range(len(self.graphs))):
             held = [("saved by earlier graphs", sum(saved[:index])), ("gradients of later graphs", sum(grads[index + 1:]))]
-            consider(held, self.graphs[index].backward, f"the backward of graph {index}")
+            consider(held, self.graphs[index].backward, f"the backward of graph {self.numbers[index]}")
         return MemoryFigures(parameters=self.parameters, gradients=self.trainable, optimizer_state=state,
                              saved=sum(saved), transient=max(0, most - sum(saved)),
                              peak=self.parameters + state + most, peak_in=peak_in,
