@@ -206,8 +206,9 @@ class InputCheck:
             self._compare(*pending)
         entries, meaning = [], []  # meaning: (input index, index of its magnitude entry or None, weight)
         values = [args[position] for position in self.positions]
-        if self.draws:  # the state the graph's draws start from
-            values.append(torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.get_rng_state())
+        if self.draws:  # the state the graph's draws start from, on the device the graph runs on
+            device = next((value.device for value in args if isinstance(value, torch.Tensor)), self.device)
+            values.append(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
         for index, value in enumerate(values):
             fingerprint, floating = _fingerprint(value)
             magnitude = len(entries) + 1 if floating else None

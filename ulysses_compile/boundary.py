@@ -383,7 +383,7 @@ def _refuse_reshaping_writes(func, args, kwargs) -> None:
 def _refuse_traced_writes(func, source) -> None:
     """A graph being compiled that writes in place into a sequence-sharded value of the graph before it:
     the write would land on the whole the graph gathers, and its gradient would not reach the block."""
-    if isinstance(source, GatheredOnUse) and not source._kept and is_fake(source._source) \
+    if isinstance(source, GatheredOnUse) and source.requires_grad and not source._kept and is_fake(source._source) \
             and _writes_first_argument(func):
         raise UnsupportedError(
             f"{func.__name__} writes in place into a sequence-sharded value that a compiled graph before this one "

@@ -40,6 +40,7 @@ from .passes.propagate_sharding import propagate_sharding
 from .passes.recognize_causal_mask import recognize_causal_mask
 from .passes.recognize_flash_attention import recognize_flash_attention
 from .passes.redistribute import redistribute
+from .passes.rules import mutated_arg
 from .passes.regather_parameters import regather_parameters
 from .passes.return_weight_inputs import return_weight_inputs
 from .passes.tile_mlp import tile_mlp
@@ -127,9 +128,12 @@ def _replicated_draws(gm: fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if not draws_random_numbers(node):
             continue
+        written = mutated_arg(node)  # a draw in place (noise.uniform_()): its readers read the tensor written
+        drawn = [node, written] if isinstance(written, fx.Node) else [node]
+        readers = [(user, value) for value in drawn for user in value.users if user is not node]
         sharding = sharding_of(node)
         if sharding is not None and (is_sharded(sharding.output) or all(
-                is_sharded((sharding_of(user).inputs if sharding_of(user) else {}).get(node)) for user in node.users)):
+                is_sharded((sharding_of(user).inputs if sharding_of(user) else {}).get(value)) for user, value in readers)):
             continue
         found.append(f"{node.name} ({node.target if isinstance(node.target, str) else node.target.__name__})"
                      + (f" at {module_path(node)}" if module_path(node) else ""))
