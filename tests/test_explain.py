@@ -275,7 +275,7 @@ def profiled_calls_match_explain(rank, world_size, zero_stage, layers, explained
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_explain_lists_the_collectives_a_compiled_step_calls(zero_stage):
     """What explain lists for the forward and backward programs is what torch's profiler counts the
     compiled step calling on two gloo ranks, kind by kind (AOTAutograd's programs, run as they are)."""

@@ -211,6 +211,7 @@ def split_dispatch_trains_like_eager(rank, world_size):
         assert_close(f"rank {rank} {name} after 4 steps", parameter, dict(reference.named_parameters())[name])
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_a_data_dependent_break_in_every_moe_layer_trains_like_eager():
     run_ranks(split_dispatch_trains_like_eager, 2)
