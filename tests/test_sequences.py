@@ -36,6 +36,9 @@ def test_graph_breaks_pass_the_ranks_blocks_on(fake_group):
     reports = [gm.meta["ulysses_report"] for gm in graphs]
     assert [len(report.attention_sites) for report in reports] == [1, 1, 0]
     assert [report.replicated for report in reports] == ["", "", ""]
+    for report in reports[:2]:  # each block's attention turned to heads and back by its all-to-alls
+        kinds = [c.kind for c in report.collectives]
+        assert [kinds.count(kind) for kind in ("seq_to_heads_qkv", "heads_to_seq")] == [1, 1], kinds
     assert [report.gathered_outputs for report in reports] == [[], [], []]
     assert [list(report.sharded_outputs) for report in reports] == [[0], [0], [0]]  # hidden, hidden, logits
     assert all(f.reason.endswith("(nothing gathered)") for report in reports for f in report.fallbacks)
