@@ -28,8 +28,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.compat import recompute_region, symbolic_hint
+from ulysses_compile.compat import recompute_region
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
+from ulysses_compile.random_draws import value_at_compile
 from ulysses_compile.report import module_path
 from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
 from ulysses_compile.sharding import block_sizes
@@ -434,10 +435,7 @@ def _kernel_dropout(dropout_p) -> str | None:
     generator, in the same state on every rank, so heads split over the ranks would share masks; whole,
     every rank draws one device's mask for every head. A ``dropout_p`` that ``dynamic=True`` made
     symbolic counts at the call compiled (a module attribute set to 0)."""
-    value = dropout_p.meta.get("example_value") if isinstance(dropout_p, fx.Node) else dropout_p
-    if isinstance(value, torch.SymFloat | torch.SymInt):
-        value = symbolic_hint(value)
-    if isinstance(value, (int, float)) and value == 0:
+    if value_at_compile(dropout_p) == 0:
         return None
     return (f"attention dropout inside the kernel (dropout_p={getattr(dropout_p, 'name', dropout_p)}) would draw the "
             f"same mask for the heads of every rank; it runs whole on every rank (one device's masks). Set the "

@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from ulysses_compile.compat import is_fake, real_tensors, symbol_hints, symbol_lower_bounds, symbolic_expr
 from ulysses_compile.errors import UlyssesError
-from ulysses_compile.graph_walk import draws_random_numbers
+from ulysses_compile.random_draws import random_draw
 from ulysses_compile.passes.detect_attention import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
 from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 from ulysses_compile.passes.rules import erase_unused
@@ -149,7 +149,7 @@ def _subgraph(mask: fx.Node) -> list[fx.Node] | None:
         needed.add(node)
         if _is_size(_example(node)):
             continue
-        if node.op not in ("call_function", "call_method") or draws_random_numbers(node):
+        if node.op not in ("call_function", "call_method") or random_draw(node) is not None:
             return None
         stack.extend(node.all_input_nodes)
     bases = alias_bases(mask.graph)

@@ -219,21 +219,25 @@ def test_per_rank_seeds_are_refused_where_a_draw_is_read_whole():
 
 
 def test_random_draws_are_told_from_lookalikes():
-    """What the generator check counts as a draw: dropouts that drop, rrelu and alpha dropout only when
-    training, in-place fills, gumbel softmax; not a dropout with training=False, ``normalize`` or the
-    Poisson loss."""
+    """What the generator check, verify and the causal-mask recognizer count as a draw: dropouts that
+    drop, rrelu and alpha dropout only when training, in-place fills, gumbel softmax, attention dropout
+    inside the kernel; not a dropout with training=False, ``normalize``, the Poisson loss or attention
+    with dropout_p=0."""
     import torch.fx as fx
     import torch.nn.functional as F
 
-    from ulysses_compile.graph_walk import draws_random_numbers
+    from ulysses_compile.random_draws import random_draw
 
     def forward(x):
         return (F.dropout(x, 0.1, True), F.dropout(x, 0.1, False), torch.dropout(x, 0.1, False), F.dropout2d(x, 0.2),
                 F.alpha_dropout(x, 0.2), F.alpha_dropout(x, 0.2, True), F.rrelu(x), F.rrelu(x, training=True),
                 torch.rand_like(x), x.uniform_(), x.bernoulli_(0.5), F.gumbel_softmax(x), F.normalize(x),
-                F.poisson_nll_loss(x, x))
+                F.poisson_nll_loss(x, x), F.scaled_dot_product_attention(x, x, x, dropout_p=0.25),
+                F.scaled_dot_product_attention(x, x, x))
 
-    drawn = {node.name: draws_random_numbers(node) for node in fx.symbolic_trace(forward).graph.nodes
+    drawn = {node.name: random_draw(node) for node in fx.symbolic_trace(forward).graph.nodes
              if node.op == "call_function" or node.op == "call_method"}
-    assert [name for name, draws in drawn.items() if draws] == [
-        "dropout", "dropout2d", "alpha_dropout_1", "rrelu_1", "rand_like", "uniform_", "bernoulli_", "gumbel_softmax"], drawn
+    assert {name: what for name, what in drawn.items() if what is not None} == {
+        "dropout": "dropout p=0.1", "dropout2d": "dropout2d p=0.2", "alpha_dropout_1": "alpha_dropout p=0.2",
+        "rrelu_1": "rrelu", "rand_like": "rand_like", "uniform_": "uniform_", "bernoulli_": "bernoulli_",
+        "gumbel_softmax": "gumbel_softmax", "scaled_dot_product_attention": "attention dropout p=0.25"}, drawn

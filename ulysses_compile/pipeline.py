@@ -45,7 +45,7 @@ from .passes.regather_parameters import regather_parameters
 from .passes.return_weight_inputs import return_weight_inputs
 from .passes.tile_mlp import tile_mlp
 from .passes.tile_token_loss import tile_token_loss
-from .graph_walk import draws_random_numbers
+from .random_draws import random_draw
 from .report import Collective, GraphReport, module_path
 from .sharding import is_sharded, sharding_of
 
@@ -126,7 +126,7 @@ def _replicated_draws(gm: fx.GraphModule) -> list[str]:
     a draw sliced by every reader gives independent blocks, as one device's draw would."""
     found = []
     for node in gm.graph.nodes:
-        if not draws_random_numbers(node):
+        if random_draw(node) is None:
             continue
         written = mutated_arg(node)  # a draw in place (noise.uniform_()): its readers read the tensor written
         drawn = [node, written] if isinstance(written, fx.Node) else [node]

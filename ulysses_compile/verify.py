@@ -3,7 +3,6 @@ comparison table that it and ``python -m ulysses_compile verify`` print."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -11,16 +10,15 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .agreement import input_names
 from .boundary import computed_outputs
 from .collectives import average_grad, gather_objects, mean_over_group, take_block
-from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr, symbolic_hint
+from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr
 from .errors import OptionsError, VerificationError
+from .random_draws import random_draw
 from .report import module_path
-from .runtime import flash_attention, flash_attention_varlen
 from .sharding import seq_factors, sharding_of
 from .sizes import is_symbolic
 
@@ -328,50 +326,12 @@ def _sizes(example: torch.Tensor, values: dict) -> tuple[list[int], list[int]]:
     return [_at(size, values) for size in example.shape], [_at(stride, values) for stride in example.stride()]
 
 
-_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-                     torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson,
-                     torch.native_dropout, torch.rrelu, torch.rrelu_}
-_KERNEL_DROPOUT = {F.scaled_dot_product_attention: 4, torch._C._nn.scaled_dot_product_attention: 4}  # dropout_p's position
-_RANDOM_METHODS = {"uniform_", "normal_", "bernoulli", "bernoulli_", "exponential_", "geometric_", "log_normal_",
-                   "cauchy_", "random_"}
-_ATEN_DROPOUTS = (torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
-_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout) + _ATEN_DROPOUTS
-
-
 def _random_draw(gm: fx.GraphModule) -> str | None:
-    """The first op of a graph (and of its checkpointed bodies) that draws random numbers (a dropout
-    with ``p > 0`` while training, ``rrelu`` while training, ``torch.rand``, ``x.uniform_()``, an
-    attention kernel's dropout), described, or None."""
-    for node in (node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes):
-        where = module_path(node) or node.name
-        if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS or \
-                node.op == "call_method" and node.target in _RANDOM_METHODS:
-            return f"{getattr(node.target, '__name__', node.target)} at {where}"
-        if node.op != "call_function":
-            continue
-        if node.target in _DROPOUTS or node.target is F.rrelu:
-            if node.target in _ATEN_DROPOUTS:  # (input, p, train), no Python signature
-                arguments = dict(zip(("input", "p", "training"), node.args)) | node.kwargs
-                arguments.setdefault("training", arguments.pop("train", False))
-            else:
-                bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-                bound.apply_defaults()
-                arguments = bound.arguments
-            p = _number(arguments.get("p", 1.0))
-            if arguments["training"] and p:
-                return f"{node.target.__name__} p={p} at {where}" if node.target is not F.rrelu else f"rrelu at {where}"
-        elif node.target in _KERNEL_DROPOUT or node.target in (flash_attention, flash_attention_varlen):
-            position = _KERNEL_DROPOUT.get(node.target, 3)
-            p = _number(node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0))
-            if p:
-                return f"attention dropout p={p} at {where}"
+    """The first op of a graph (and of its checkpointed bodies) that draws random numbers, described
+    with where it is, or None."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if (drawn := random_draw(node)) is not None:
+                    return f"{drawn} at {module_path(node) or node.name}"
     return None
-
-
-def _number(value):
-    """A float argument as a number; one that ``dynamic=True`` made symbolic, at the call compiled (a
-    value it cannot tell counts as nonzero)."""
-    example = value.meta.get("example_value") if isinstance(value, fx.Node) else value
-    if isinstance(example, torch.SymFloat):
-        return float(symbolic_hint(example))
-    return example if isinstance(example, (int, float, bool)) else 1.0
