@@ -349,6 +349,29 @@ def test_stage_three_gathers_parameters_again_in_backward(fake_group):
     assert len(_collective_dtypes(_graphs(3)[1], gather)) == 11
 
 
+def test_stage_three_under_inductor_with_checkpointing_gathers_every_layer_again(fake_group):
+    """Checkpointed layers under Inductor: the backward gathers every layer's parameters again, as
+    without checkpointing, so no layer's whole parameters stay alive from the forward to the backward.
+    (AOTAutograd's partitioner saves a value tagged for recomputation whose user lies in a later
+    checkpointed region: a gather tagged outside the layers' regions stayed whole for every layer, and
+    a 24-layer rank held all 24 layers' parameters at its peak.)"""
+    import re
+
+    from ulysses_compile.compat import run_and_get_code
+
+    fake_group(2)
+    layers = 2
+    model = tiny_llama(layers=layers)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = parallelize(model.train(), zero_stage=3, compiler="inductor")
+    ids, labels = token_batch(seq=32)
+    _, (forward, backward) = run_and_get_code(
+        lambda: compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward())
+    gathers = [len(re.findall(r"_c10d_functional\.all_gather_into_tensor(_out)?\.default\(", code))
+               for code in (forward, backward)]
+    assert gathers == [layers + 3, layers + 2], gathers
+
+
 def test_mixed_precision_gathers_in_bf16_and_reduces_in_the_chosen_dtype(fake_group):
     gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     reduce_scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
