@@ -144,13 +144,13 @@ def bucketing(gm: fx.GraphModule) -> dict:
     op reduce-scatters) in buckets of the largest layer's gradients, so a full gradient lives until its
     bucket's reduce-scatter, not the whole step. The results are the same elementwise; the ranks meet
     fewer times."""
-    reduce_mib = functools.partial(_constant, _largest_layer_gradients(gm))
+    reduce_mib = functools.partial(_constant, reduce_scatter_bucket_mib(gm))
     return {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all",
             "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_mib,
             "post_grad_custom_post_pass": bucket_and_prefetch_zero_gathers()}
 
 
-def _largest_layer_gradients(gm: fx.GraphModule) -> float:
+def reduce_scatter_bucket_mib(gm: fx.GraphModule) -> float:
     """MiB of the largest layer's gradients as reduce-scattered (padded to equal shards, in the
     reduction's dtype; a byte more, as Inductor rounds the cap); DDP's bucket without numbered layers."""
     layers: dict[str, int] = {}

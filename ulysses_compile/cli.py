@@ -7,7 +7,8 @@ every rank.
 explain  traces and rewrites the model for P ranks in this process (simulated ranks, no launcher) and
          prints the report: attention sites and their verdicts, collectives per step against the
          Ulysses minimum, fallbacks, graph breaks, the memory per rank of a training step;
-         --seq-len N calls FACTORY(seq_len=N), --zero-stage K plans parallelize(zero_stage=K),
+         --seq-len N calls FACTORY(seq_len=N), --zero-stage K plans parallelize(zero_stage=K)
+         (--param-dtype, --reduce-dtype: its mixed precision),
          --max-memory 80GiB adds the longest sequence whose step fits.
 verify   launches P CPU (gloo) ranks; each runs one forward and backward compiled with
          ``parallelize(model, zero_stage=0)`` (backend="ulysses") and eagerly, and compares every
@@ -82,12 +83,18 @@ def _explain(arguments) -> int:
           f"ranks (this process is rank {arguments.rank}), ZeRO stage {arguments.zero_stage} ...", flush=True)
     report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank,
                      zero_stage=arguments.zero_stage, optimizer_states=arguments.optimizer_states,
+                     param_dtype=_DTYPES.get(arguments.param_dtype), reduce_dtype=_DTYPES.get(arguments.reduce_dtype),
                      dynamic=True if arguments.max_memory is not None else None, **kwargs)
     print(report)
     if arguments.max_memory is not None:
-        print(_longest(report.memory, arguments.max_memory, arguments.world_size, arguments.seq_len))
+        default = inspect.signature(load_factory(arguments.factory)).parameters.get("seq_len")
+        length = arguments.seq_len or (default.default if default and isinstance(default.default, int) else None)
+        print(_longest(report.memory, arguments.max_memory, arguments.world_size, length))
     print(f"explain: done in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def parse_bytes(text: str) -> int:
@@ -102,7 +109,8 @@ def parse_bytes(text: str) -> int:
 
 def _longest(memory, limit: int, world_size: int, seq_len: int | None) -> str:
     """The longest sequence whose estimated step peak fits in ``limit`` bytes per rank: the size symbol
-    of value ``seq_len`` (default: the largest) is the length."""
+    of value ``seq_len`` (the factory's length: ``--seq-len`` or its ``seq_len`` default; else the
+    largest) is the length."""
     if not memory.hints:
         raise UlyssesError("--max-memory: the trace has no symbolic size; torch specialized the sequence length "
                            "to its value (TORCH_LOGS=dynamic shows where), so the estimate holds at this length only")
@@ -204,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--seq-len", type=int, help="call FACTORY(seq_len=N): plan at this sequence length")
     explain.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                          help="plan ulysses_compile.parallelize(model, zero_stage=K) (default 0)")
+    for name, what in (("--param-dtype", "gathers the parameters in"), ("--reduce-dtype", "reduces the gradients in")):
+        explain.add_argument(name, choices=_DTYPES, help=f"plan parallelize(..., {name[2:].replace('-', '_')}=D): "
+                                                         f"ZeRO {what} D (default: the parameters' dtype)")
     explain.add_argument("--optimizer-states", type=int, default=2,
                          help="tensors the size of each parameter the optimizer keeps (AdamW: 2, the default)")
     explain.add_argument("--max-memory", type=parse_bytes,

@@ -197,24 +197,34 @@ def zero_unit(node) -> str | None:
     return node.meta.get("custom", {}).get(ZERO_GATHER)
 
 
-def _bucket_zero_gathers(graph) -> None:
-    """Merge the all-gathers of each unit's parameters (``tag_zero_gather``) that follow one another
-    among ZeRO's gathers into one. torch's bucketing finds the runs it may merge (same group and dtype,
-    none depending on another), given a filter by the tag and no size cap; each run is then cut where
-    the unit changes. (torch's own "only_fsdp" filter is structural, and could classify a gather
-    differently on ranks whose graphs differ; the tag is the same on every rank.)"""
-    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb, merge_all_gather
+def zero_gather_buckets(graph) -> list[list]:
+    """The all-gathers of each unit's parameters (``tag_zero_gather``) that follow one another among
+    ZeRO's gathers, each run of two or more a bucket to merge into one. torch's bucketing finds the runs
+    it may merge (same group and dtype, none depending on another), given a filter by the tag and no
+    size cap; each run is then cut where the unit changes. (torch's own "only_fsdp" filter is
+    structural, and could classify a gather differently on ranks whose graphs differ; the tag is the
+    same on every rank.)"""
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb
 
     runs = bucket_all_gather_by_mb(graph.owning_module, lambda index: float(2**40),
                                    filter_wait_node=lambda wait: zero_unit(wait.args[0]) is not None)
-    buckets = []
-    for run in runs:
-        for _, same_unit in itertools.groupby(run, key=zero_unit):
-            bucket = list(same_unit)
-            if len(bucket) > 1:
-                buckets.append(bucket)
-    if buckets:
-        merge_all_gather(graph.owning_module, buckets)
+    return [bucket for run in runs for _, same_unit in itertools.groupby(run, key=zero_unit)
+            if len(bucket := list(same_unit)) > 1]
+
+
+def inductor_buckets(gm, reduce_scatter_mib: float) -> list[list]:
+    """The collectives of an AOTAutograd program that Inductor merges under ``backend.bucketing``'s
+    settings, each bucket a list of two or more: ZeRO's all-gathers one per unit
+    (``zero_gather_buckets``), reduce-scatters up to ``reduce_scatter_mib``, all-reduces up to torch's
+    default cap. Read, not applied."""
+    from torch._inductor.fx_passes.bucketing import (
+        bucket_all_reduce_by_mb,
+        bucket_cap_mb_by_bucket_idx_default,
+        bucket_reduce_scatter_by_mb,
+    )
+
+    return [*zero_gather_buckets(gm.graph), *bucket_reduce_scatter_by_mb(gm, lambda index: reduce_scatter_mib),
+            *bucket_all_reduce_by_mb(gm, bucket_cap_mb_by_bucket_idx_default)]
 
 
 def _prefetch_zero_gathers(graph) -> None:
@@ -247,13 +257,16 @@ def _prefetch_zero_gathers(graph) -> None:
 
 
 def bucket_and_prefetch_zero_gathers():
-    """The Inductor post-grad pass that buckets (``_bucket_zero_gathers``) and prefetches
+    """The Inductor post-grad pass that buckets (``zero_gather_buckets``) and prefetches
     (``_prefetch_zero_gathers``) ZeRO's parameter all-gathers (``post_grad_custom_post_pass``)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class BucketAndPrefetchZeroGathers(CustomGraphPass):
         def __call__(self, graph) -> None:
-            _bucket_zero_gathers(graph)
+            from torch._inductor.fx_passes.bucketing import merge_all_gather
+
+            if buckets := zero_gather_buckets(graph):
+                merge_all_gather(graph.owning_module, buckets)
             _prefetch_zero_gathers(graph)
 
         def uuid(self):
@@ -413,3 +426,19 @@ def real_tensors():
 def version_counter(tensor: torch.Tensor) -> int:
     """How many in-place writes autograd has counted on ``tensor`` (shared by its views)."""
     return tensor._version
+
+
+def live_bytes_peak(profile) -> int:
+    """The most bytes of tensors alive at once while ``profile`` (``profile_memory=True``) recorded,
+    counting only what was allocated while it recorded: the profiler's allocation events carry the
+    allocator's running total of those bytes."""
+    from torch._C._profiler import _EventType
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    totals = [event.extra_fields.total_allocated for event in walk(profile.profiler.kineto_results.experimental_event_tree())
+              if event.tag == _EventType.Allocation]
+    return max(totals, default=0)

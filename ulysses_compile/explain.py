@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .backend import aot, rewrite
+from .backend import aot, reduce_scatter_bucket_mib, rewrite
 from .boundary import leave_sharded
 from .compat import (
     BackendCompilerFailed,
@@ -44,6 +45,7 @@ from .compat import (
     symbolic_hint,
     tree_leaves,
     tree_map,
+    inductor_buckets,
 )
 from .errors import UlyssesError
 from .memory import GraphMemory, StepMemory
@@ -66,9 +68,10 @@ COLLECTIVE_OPS = {
 
 
 def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, options: dict | None = None,
-            zero_stage: int = 0, optimizer_states: int = 2, dynamic: bool | None = None, **kwargs) -> Report:
+            zero_stage: int = 0, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+            optimizer_states: int = 2, dynamic: bool | None = None, **kwargs) -> Report:
     """Report what ``torch.compile(model, backend="ulysses", options=options)`` (``parallelize(model,
-    zero_stage=zero_stage)`` for a stage above 0) does to ``model(*args, **kwargs)`` on rank ``rank`` of
+    zero_stage=zero_stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)`` for a stage above 0) does to ``model(*args, **kwargs)`` on rank ``rank`` of
     ``world_size`` sequence-parallel ranks, without launching them. The memory estimate counts
     ``optimizer_states`` tensors the size of each trainable parameter (AdamW and Adam: 2; SGD with
     momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
@@ -105,7 +108,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
         compiled = compile_partitioned(
             model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints, lazy_calls),
-            zero_stage=zero_stage, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
+            zero_stage=zero_stage, group=None, mesh=None, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             options=dict(options or {}), dynamic=dynamic)
         with fake_mode or contextlib.nullcontext():
             scalar = differentiable_scalar(compiled(*args, **kwargs))
@@ -130,6 +133,8 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
         report.collectives += run.collectives["forward"]
     for run in reversed(runs):  # the backward runs the graphs' programs in reverse
         report.collectives += run.collectives["backward"]
+    for run in runs:
+        report.calls_under_inductor += run.calls_under_inductor
     report.memory = _step_memory(model, [(index, explained[index].memory) for index in report.runs
                                          if explained[index].memory is not None], optimizer_states, hints)
     return report
@@ -143,6 +148,7 @@ class _Explained:
     sites: list[SiteReport]
     minimum_bytes: int
     collectives: dict[str, list[CollectiveCall]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    calls_under_inductor: Counter = field(default_factory=Counter)  # (phase, kind) -> calls once bucketed
     memory: GraphMemory | None = None
 
 
@@ -206,10 +212,12 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
         minimum_bytes=sum(_minimum_bytes(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites
                           if split))
     explained.append(graph)
+    bucket_mib = reduce_scatter_bucket_mib(gm)
 
     def keep(phase):
         def compile_phase(program, inputs):
             graph.collectives[phase] = _collective_calls(program, phase)
+            graph.calls_under_inductor += _calls_bucketed(program, phase, bucket_mib)
             if phase == "forward":
                 graph.memory = GraphMemory.of_forward(program.graph, hints)
             else:
@@ -278,6 +286,16 @@ def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
             dtype=str(value.dtype).removeprefix("torch."),
             bytes=_at_call(value.numel() * value.element_size()),
         ))
+    return calls
+
+
+def _calls_bucketed(program, phase: str, reduce_scatter_mib: float) -> Counter:
+    """(phase, kind) -> the calls of ``program``'s collectives once Inductor buckets them
+    (``backend.bucketing``)."""
+    calls = Counter((phase, COLLECTIVE_OPS[node.target]) for node in program.graph.nodes
+                    if node.target in COLLECTIVE_OPS)
+    for bucket in inductor_buckets(program, reduce_scatter_mib):
+        calls[phase, COLLECTIVE_OPS[bucket[0].target]] -= len(bucket) - 1
     return calls
 
 

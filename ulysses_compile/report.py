@@ -5,6 +5,7 @@ forward and backward programs with their bytes, graph breaks and the activations
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -131,6 +132,7 @@ class Report:
     attention_sites: list[SiteReport] = field(default_factory=list)
     rejected_attention: list[str] = field(default_factory=list)
     collectives: list[CollectiveCall] = field(default_factory=list)
+    calls_under_inductor: Counter = field(default_factory=Counter)  # (phase, kind) -> calls once bucketed
     fallbacks: list[Fallback] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
     ulysses_minimum_bytes: int = 0  # the sites' q, k, v, output all-to-alls, forward and backward
@@ -162,9 +164,10 @@ class Report:
         lines.append(f"\nattention sites: {len(self.attention_sites)}")
         lines += [f"  {site}" for site in self.attention_sites]
         lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]
-        lines.append(f"\ncollectives per step (this rank's input bytes): {len(self.collectives)} calls")
-        lines += [f"  {phase:<8} {kind:<14} x{calls:<4} {size:>14,} B" for (phase, kind), (calls, size)
-                  in sorted(self.totals().items())]
+        lines.append(f"\ncollectives per step (this rank's input bytes): {len(self.collectives)} calls, "
+                     f"{self.calls_under_inductor.total()} once Inductor buckets them (in brackets)")
+        lines += [f"  {phase:<8} {kind:<14} x{calls:<4} ({self.calls_under_inductor[phase, kind]:>3}) {size:>14,} B"
+                  for (phase, kind), (calls, size) in sorted(self.totals().items())]
         if self.ulysses_minimum_bytes:
             ratio = self.all_to_all_bytes() / self.ulysses_minimum_bytes
             lines.append(f"  all-to-all {self.all_to_all_bytes():,} B against the Ulysses minimum "
