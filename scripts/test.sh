@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -n 2 "$@"
+exec .venv/bin/python -m pytest -q -n 2 --durations=15 "$@"
