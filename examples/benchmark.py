@@ -135,12 +135,13 @@ def ulysses_rank(rank: int, world_size: int, seq_len: int, outputs: str, losses:
 
 def input_check_seconds(ids: torch.Tensor, calls: int = 20) -> float:
     """What the check that every rank passes the same inputs adds to each call: the median of ``calls``
-    runs of it alone on the step's inputs (ids and labels), each settling the previous one's all-reduce."""
+    runs of it alone on the step's inputs (ids and labels), each settling the previous one's all-gather."""
     from ulysses_compile.agreement import InputCheck
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0.0
-    check = InputCheck(["input_ids", "labels"], [0, 1], dist.group.WORLD, dist.get_rank(), "benchmark")
+    check = InputCheck(["input_ids", "labels"], [0, 1], dist.group.WORLD, dist.get_rank(), "benchmark",
+                       {"graph": "benchmark", "inputs": {}})
     times = []
     for _ in range(calls):
         started = time.perf_counter()

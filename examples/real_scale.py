@@ -15,7 +15,7 @@ attention or the step fails; ``--attention flash_attention_2`` uses the flash-at
 
 It prints and writes (``--out``, JSON): the compile time (the first step less a later one), the
 median step time, the collectives a step calls (torch's profiler) beside those ``explain`` lists
-(before Inductor's bucketing), what the rank holds, and the peak memory of a step beside
+(in the programs, and once Inductor buckets them), what the rank holds, and the peak memory of a step beside
 ``explain``'s estimate of it, planned on the meta device for the same rank and options. The peak is
 the most bytes of tensors alive at once (CUDA: ``max_memory_allocated``; CPU: torch's profiler's
 allocation events) with the parameters and AdamW state the rank holds. The values the fake
@@ -105,8 +105,8 @@ def estimate(args) -> dict:
     figures = report.memory.at()
     return {"estimated_peak_bytes": figures.peak, "estimated_peak_in": figures.peak_in,
             "explained_collectives_per_step": dict(Counter(call.kind for call in report.collectives)),
-            "explained_calls_under_inductor": {kind: sum(count for (_, of), count in report.calls_under_inductor.items()
-                                                         if of == kind) for kind in {kind for _, kind in report.calls_under_inductor}}}
+            "explained_calls_under_inductor": dict(sum((Counter({kind: count}) for (_, kind), count
+                                                        in report.calls_under_inductor.items()), Counter()))}
 
 
 def measure(args) -> dict:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU acceptance check, one prepared run on a single-GPU machine as it comes: its own torch, CUDA
 # and transformers (which may be older than ours; it may have no network), with this package installed
-# onto them without its dependencies. It prints the versions it ran on, then one table row per check:
+# onto them without its dependencies. It prints the versions it ran on, then what each check measured:
 #   - one rank's program of Llama-3-8B at 128K tokens, P = 8, ZeRO-3, bf16 (examples/real_scale.py):
 #     compile time, step time, the step's peak GPU memory beside explain's estimate, its collectives;
-#   - the longest sequence explain plans for that rank within the GPU's memory.
+#   - the longest sequence explain plans for that rank within the GPU's free memory.
 # Figures go to $OUT (default: a new temporary folder) as JSON and text.
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine (about 5 minutes)
@@ -14,21 +14,28 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"
 out="${OUT:-$(mktemp -d)}"
 mkdir -p "$out"
-if [[ "${1:-}" == "--dry-run" ]]; then
-    job=(--size tiny --device cpu --steps 1)
-    plan=(examples/real_scale.py:tiny --world-size 8 --zero-stage 3 --max-memory 1GiB)
-else
-    "$python" -m pip install --no-deps --no-build-isolation -q -e . || "$python" -m pip install --no-deps -q -e .
-    job=(--size 8b --device cuda --steps 2)
-    memory=$("$python" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory)")
-    plan=(examples/real_scale.py:llama_8b --world-size 8 --zero-stage 3 --param-dtype bfloat16 --reduce-dtype float32
-          --max-memory "${memory}B")
-fi
+case "${1:-}" in
+    --dry-run)
+        job=(--size tiny --device cpu --steps 1)
+        plan=(examples/real_scale.py:tiny --world-size 8 --zero-stage 3 --max-memory 1GiB) ;;
+    "")
+        # backend="ulysses" is found through the package's entry point: installed, without dependencies or
+        # a build environment (no network needed)
+        "$python" -m pip install --no-deps --no-build-isolation -q -e .
+        job=(--size 8b --device cuda --steps 2)
+        memory=$("$python" -c "import torch; print(torch.cuda.mem_get_info()[0])")  # free, not total
+        plan=(examples/real_scale.py:llama_8b --world-size 8 --zero-stage 3 --param-dtype bfloat16
+              --reduce-dtype float32 --max-memory "${memory}B") ;;
+    *)
+        echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2
+        exit 2 ;;
+esac
 "$python" -c "
 import torch, transformers
 device = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
 print(f'ran on {device}: torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}')
 " | tee "$out/versions.txt"
 "$python" examples/real_scale.py "${job[@]}" --out "$out/real_scale.json" | tee "$out/real_scale.txt"
-"$python" -m ulysses_compile explain "${plan[@]}" | tail -n 12 | tee "$out/longest.txt"
+"$python" -m ulysses_compile explain "${plan[@]}" > "$out/explain.txt"
+grep -A 9 "^max memory" "$out/explain.txt" | tee "$out/longest.txt"
 echo "figures in $out"

@@ -7,6 +7,7 @@ their tests."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -255,6 +256,68 @@ def rank_raises_mid_step(rank, world_size, phase):
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_rank_that_raises_mid_step_leaves_the_others_an_error_within_the_timeout(phase):
     run_ranks(rank_raises_mid_step, 2, phase)
+
+
+def ranks_at_different_calls(rank, world_size):
+    """Rank 1 makes its second call under ``torch.no_grad()`` (Dynamo compiles another graph for it), rank
+    0 with grad: each names every rank's place at once, before any collective of the two programs meets
+    one of another size; a dtype changed on one rank after the first call likewise."""
+    from ulysses_compile.agreement import _GRAPHS
+
+    _GRAPHS.clear()  # (the graphs earlier tests called in this rank's process: one may be this no_grad one)
+    ids, _ = token_batch()
+    model = torch.compile(tiny_llama(layers=1), backend="ulysses", options=EAGER)
+    model(input_ids=ids, use_cache=False)
+    with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+        error, seconds = _raised(lambda: model(input_ids=ids, use_cache=False))
+    assert isinstance(error, RankMismatchError), error
+    other = "compiled graph 0/1" if rank == 1 else "a graph this rank has not called"
+    assert (f"rank {rank}: the sequence-parallel ranks are not at the same call of the same compiled graph: rank 0 "
+            f"at call 2 of compiled graph 0/0 (grad); rank 1 at call 1 of {other} (no_grad)") in str(error), error
+    assert "a rank that calls the model once more" in str(error) and seconds < 30
+    torch.compiler.reset()
+    model = torch.compile(tiny_llama(layers=1), backend="ulysses", options=EAGER)
+    model(input_ids=ids, use_cache=False)
+    error, _ = _raised(lambda: model(input_ids=ids.to(torch.int32) if rank == 1 else ids, use_cache=False))
+    assert isinstance(error, RankMismatchError) and "rank 0 at call 2 of compiled graph 0/0 (grad); rank 1 at " \
+        "call 1 of" in str(error), error
+
+
+@pytest.mark.multirank
+def test_ranks_at_different_calls_are_named_at_once():
+    run_ranks(ranks_at_different_calls, 2)
+
+
+def rank_left_the_loop(rank, world_size):
+    """Rank 1 stops calling the model (it left its loop; alive, in no collective): rank 0's next call
+    says where it waits once ``rank_wait_warning`` has passed, and fails at the group's timeout."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=4))
+    ids, _ = token_batch()
+    call = _llama_call({**EAGER, "group": group, "rank_wait_warning": 1}, input_ids=ids)
+    call()
+    call()
+    if rank == 1:
+        return
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("ulysses_compile").addHandler(handler)
+    try:
+        error, seconds = _raised(call)
+    finally:
+        logging.getLogger("ulysses_compile").removeHandler(handler)
+    assert isinstance(error, CollectiveError) and "did not complete" in str(error), error
+    assert [record.getMessage() for record in logged if "has waited" in record.getMessage()] == [
+        "ulysses_compile: rank 0 has waited 1 s at call 3 of compiled graph 0/0 (grad) for the other "
+        "sequence-parallel ranks: one of them is not calling the model (it left the loop, made fewer calls, "
+        "waits in another collective) or is busy alone (a checkpoint one rank writes, a slow data loader). The "
+        "wait ends at the process group's timeout (0:00:04)."], logged
+    assert 4 <= seconds < 14, seconds
+
+
+@pytest.mark.multirank
+def test_a_rank_that_left_the_loop_is_reported_while_the_others_wait():
+    run_ranks(rank_left_the_loop, 2)
 
 
 def _killed_mid_step(rank, world_size, port, results):

@@ -149,17 +149,18 @@ def test_module_states_agree_across_ranks_or_are_synced():
     run_ranks(module_states_agree_or_are_synced, 2)
 
 
-def checks_cost_one_small_all_reduce_per_call(rank, world_size):
+def checks_cost_one_small_all_gather_per_call(rank, world_size):
     """After the first call (which compares what the ranks compiled and hold), the checks add one
-    collective to a training step: the input check's all-reduce of [2 x entries] float64, entries 4 per
-    integer input (count, sum, two weighted sums): 128 bytes for input_ids and labels."""
+    collective to a training step: the input check's all-gather of 64 float64 per rank (512 bytes): the
+    call's place (4) and the inputs' fingerprints (4 per integer input: count, sum, two weighted sums;
+    8 for input_ids and labels), padded to the fixed size."""
     ids, labels = token_batch(seq=32)
-    per_setting, reduced = {}, []
-    all_reduce = torch.distributed.all_reduce
+    per_setting, gathered = {}, []
+    all_gather = torch.distributed.all_gather_into_tensor
 
-    def recorded(tensor, *args, **kwargs):
-        reduced.append((tuple(tensor.shape), tensor.dtype))
-        return all_reduce(tensor, *args, **kwargs)
+    def recorded(output, tensor, *args, **kwargs):
+        gathered.append((tuple(tensor.shape), tensor.dtype, tuple(output.shape)))
+        return all_gather(output, tensor, *args, **kwargs)
 
     for check_inputs in (True, False):
         torch.compiler.reset()
@@ -170,25 +171,25 @@ def checks_cost_one_small_all_reduce_per_call(rank, world_size):
             model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
 
         step()
-        reduced.clear()
-        torch.distributed.all_reduce = recorded
+        gathered.clear()
+        torch.distributed.all_gather_into_tensor = recorded
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 step()
         finally:
-            torch.distributed.all_reduce = all_reduce
+            torch.distributed.all_gather_into_tensor = all_gather
         per_setting[check_inputs] = [event.name for event in profile.events() if event.name.startswith("c10d::")]
         if check_inputs:
-            assert reduced == [((16,), torch.float64)], reduced  # 128 bytes
+            assert gathered == [((64,), torch.float64, (64 * world_size,))], gathered  # 512 bytes from each rank
     added = list(per_setting[True])
     for name in per_setting[False]:
         added.remove(name)
-    assert added == ["c10d::allreduce_"], added
+    assert added == ["c10d::_allgather_base_"], added
 
 
 @pytest.mark.multirank
-def test_the_checks_add_one_small_all_reduce_per_step():
-    run_ranks(checks_cost_one_small_all_reduce_per_call, 2)
+def test_the_checks_add_one_small_all_gather_per_step():
+    run_ranks(checks_cost_one_small_all_gather_per_call, 2)
 
 
 def per_rank_seeds(rank, world_size):
@@ -228,16 +229,29 @@ def test_random_draws_are_told_from_lookalikes():
 
     from ulysses_compile.random_draws import random_draw
 
+    from ulysses_compile.runtime import flash_attention, flash_attention_varlen
+
     def forward(x):
         return (F.dropout(x, 0.1, True), F.dropout(x, 0.1, False), torch.dropout(x, 0.1, False), F.dropout2d(x, 0.2),
                 F.alpha_dropout(x, 0.2), F.alpha_dropout(x, 0.2, True), F.rrelu(x), F.rrelu(x, training=True),
                 torch.rand_like(x), x.uniform_(), x.bernoulli_(0.5), F.gumbel_softmax(x), F.normalize(x),
                 F.poisson_nll_loss(x, x), F.scaled_dot_product_attention(x, x, x, dropout_p=0.25),
-                F.scaled_dot_product_attention(x, x, x))
+                F.scaled_dot_product_attention(x, x, x), torch.native_dropout(x, 0.3, True),
+                torch.native_dropout(x, 0.3, False), torch.feature_dropout(x, 0.4, True), torch.rrelu(x, 0.1, 0.3, True),
+                torch.normal(x, 1.0), torch.multinomial(x, 2), torch.randperm(x.size(0)), torch.lgamma(x),
+                torch._dirichlet_grad(x, x, x))
 
-    drawn = {node.name: random_draw(node) for node in fx.symbolic_trace(forward).graph.nodes
+    graph = fx.symbolic_trace(forward).graph
+    x = next(iter(graph.nodes))
+    for kernel, args in ((flash_attention, (0.5, 1.0, True, (-1, -1), 0.0, None, False)),
+                         (flash_attention_varlen, (x, x, 4, 4, 0.0, 1.0, True, (-1, -1), 0.0, None, False))):
+        graph.call_function(kernel, (x, x, x, *args))  # (kernels symbolic_trace would run)
+    drawn = {node.name: random_draw(node) for node in graph.nodes
              if node.op == "call_function" or node.op == "call_method"}
     assert {name: what for name, what in drawn.items() if what is not None} == {
         "dropout": "dropout p=0.1", "dropout2d": "dropout2d p=0.2", "alpha_dropout_1": "alpha_dropout p=0.2",
         "rrelu_1": "rrelu", "rand_like": "rand_like", "uniform_": "uniform_", "bernoulli_": "bernoulli_",
-        "gumbel_softmax": "gumbel_softmax", "scaled_dot_product_attention": "attention dropout p=0.25"}, drawn
+        "gumbel_softmax": "gumbel_softmax", "scaled_dot_product_attention": "attention dropout p=0.25",
+        "native_dropout": "native_dropout p=0.3", "feature_dropout": "feature_dropout p=0.4", "rrelu_2": "rrelu",
+        "normal": "normal", "multinomial": "multinomial", "randperm": "randperm",
+        "flash_attention": "attention dropout p=0.5"}, drawn

@@ -39,6 +39,9 @@ def test_unknown_option_lists_the_valid_ones():
         ({"outputs": "scatter"}, "outputs='scatter': expected one of ['lazy', 'gather', 'local', 'dtensor']"),
         ({"verify": "yes"}, "verify='yes': expected True, False or 'short'"),
         ({"group": 3}, "expected a torch.distributed.ProcessGroup"),
+        ({"rank_wait_warning": 0}, "rank_wait_warning=0: expected seconds (0.001 or more), or None"),
+        ({"rank_wait_warning": float("inf")}, "rank_wait_warning=inf: expected seconds"),
+        ({"rank_wait_warning": True}, "rank_wait_warning=True: expected seconds"),
     ],
 )
 def test_wrong_option_values(options, expected):

@@ -29,7 +29,7 @@ def test_real_scale_runs_small_on_cpu_as_explain_plans(tmp_path):
     assert abs(estimated - measured) <= 0.1 * measured, (measured, estimated)
     # the rank holds its eighth (rows padded to equal blocks) of the fp32 parameters, gradients and state
     assert figures["whole_parameters"] / 8 <= figures["parameters"] < figures["whole_parameters"] / 7
-    # AdamW: two moments per element and a 4-byte step count per parameter (a tiny Llama has 21)
+    # AdamW: two moments per element and a 4-byte step count per parameter (a 2-layer Llama has 21)
     assert figures["gradients"] == figures["parameters"]
     assert figures["optimizer_state"] == 2 * figures["parameters"] + 4 * 21
     calls = figures["collectives_per_step"]
@@ -40,8 +40,9 @@ def test_real_scale_runs_small_on_cpu_as_explain_plans(tmp_path):
     # 2 layers, each with one all-to-all to heads (q, k, v together) and one back, in the forward, in the
     # checkpointed layer's recompute and in the backward; ZeRO-3 gathers each layer's parameters at once
     # plus the embedding, the final norm and the LM head in the forward, and again in the backward
-    # (the recompute reuses the backward's), and reduce-scatters the gradients
-    assert (called("alltoall"), called("allgather"), called("reduce_scatter") > 0) == (2 * 3 * 2, 5 + 4, True), calls
+    # (the recompute reuses the backward's), and reduce-scatters the gradients; the input check gathers
+    # each rank's place and fingerprints once
+    assert (called("alltoall"), called("allgather"), called("reduce_scatter") > 0) == (2 * 3 * 2, 5 + 4 + 1, True), calls
 
 
 @pytest.mark.slow

@@ -276,7 +276,7 @@ def regionally_compiled(rank, world_size, lengths):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size, lengths", [(2, (64, 66)), (4, (62,))])
+@pytest.mark.parametrize("world_size, lengths", [pytest.param(2, (64, 66), marks=pytest.mark.slow), (4, (62,))])
 def test_regionally_compiled_layers_pass_each_other_their_blocks_equal_to_eager(world_size, lengths):
     """One compiled decoder layer per layer (torchtitan's and accelerate's regional compilation): each
     layer's hidden states leave sharded and the next layer's graph takes its block as it is, and its

@@ -1,17 +1,19 @@
 """Ranks that disagree or fail get an error, not a hang or a wrong answer. Every call of a compiled
 graph goes through :func:`guarded`:
 
-- on the first call, the ranks of the sequence-parallel group compare what they compiled (the captured
-  graph and its input shapes and dtypes) with one small all-gather, before any collective of the graph
-  runs. A rank fed another batch shape, or running other code, would otherwise enter collectives of
-  other sizes or in another order than its peers and wait for them forever;
+- on every call, :class:`InputCheck` first compares where each rank is (the graph, its call number, the
+  grad mode) and what it compiled (the captured graph and its input shapes and dtypes) in one
+  all-gather of a fixed size, before any collective of the graph runs (on a GPU, from the second call
+  on, one call later: the check does not hold up the step). A rank fed another batch shape,
+  running other code, calling the model once more or under ``no_grad`` alone would otherwise enter
+  collectives of other sizes or in another order than its peers and wait for them forever (gloo: abort
+  the process); without the input check (``check_inputs=False``) the first call compares the programs;
 - at the first call of each graph, and in ``parallelize`` before the parameters are partitioned,
   :func:`agree_on_module_state` compares the parameters and buffers the ranks hold (a fingerprint per
   tensor, one all-gather), or broadcasts rank 0's (``sync_module_states``, DDP's behaviour). A model
   built after a per-rank seed, or a buffer changed on one rank, would otherwise train a mix;
-- on every call, :class:`InputCheck` compares the values of the user's inputs (a fingerprint per input,
-  one all-reduce), so ranks handed different batches of one shape get an error instead of training on
-  a mix;
+- in the same all-gather, :class:`InputCheck` compares the values of the user's inputs (a fingerprint
+  per input), so ranks handed different batches of one shape get an error instead of training on a mix;
 - a call after the graph's process group was destroyed is refused;
 - a collective that fails in the forward (another rank died, or the group's timeout ran out because a
   rank raised or is stuck) becomes a :class:`CollectiveError` that says which rank and graph, the bound,
@@ -21,10 +23,12 @@ graph goes through :func:`guarded`:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import logging
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,13 +135,14 @@ def guarded(compiled, expected: dict, group, rank: int, graph_name: str, input_c
                 f"destroyed; call torch.compiler.reset() after init_process_group and compile the model again"
             ) from gone
         try:
-            if not checked:
+            if input_check is not None:  # first: the place every rank is at, in a collective of one size
+                input_check(args)
+            elif not checked:
                 _compare(gather_objects(expected, group), rank)
+            if not checked:
                 agree_on_module_state({name: args[position] for position, name in module_state}, group, rank,
                                       sync_module_states, graph_name)
                 checked = True
-            if input_check is not None:
-                input_check(args)
             return compiled(*args)
         except RuntimeError as failure:
             if not is_collective_failure(failure):
@@ -173,26 +178,38 @@ def _compare(seen: list[dict], rank: int) -> None:
 
 
 class InputCheck:
-    """The ranks of the group must pass the same values, not only the same shapes: a
+    """Every call, the ranks of the group must be at the same place (the same call of the same compiled
+    graph, in the same grad mode) and pass the same values, not only the same shapes: a rank that calls
+    the model once more than the others, or under ``torch.no_grad()`` alone, would meet their
+    collectives with collectives of other sizes (a hang, or gloo aborting the process); a
     ``DistributedSampler``, HF Trainer or accelerate hand each rank its own batch, and each rank would
     then slice its block out of another sequence and train on the mix.
 
-    Each call, a fingerprint of every user input (its number of elements, the sum of its values and two
-    sums weighted by pseudo-random weights of the positions, so reordered values do not collide; for
-    floating inputs also the sum of magnitudes) goes into one all-reduce over
-    the group, the maximum of ``[f, -f]``: the largest and smallest value of every entry. The first call
-    waits for the result, so a mixed first batch never runs; so does every call on CPU ranks (gloo),
-    where waiting holds up no device. On a GPU, later calls leave it in flight and compare it at the
-    next call (the result is copied to pinned memory behind an event, so the host never waits for the
-    step); the mixed step has run by then, and the error says so, and the last call of a run is
-    compared only if another call follows. Integer inputs must agree exactly (sums wrap
-    alike in int64); floating ones within 1e-6 of the sum of their magnitudes, since ranks may round
-    differently (another kernel, another summation order)."""
+    Each call, every rank contributes ``_SLOTS`` float64 to one all-gather over the group: its place
+    (a digest of the graph's code and input shapes, the grad mode, the graph's call number, the number
+    of entries that follow), then a fingerprint of every user input (its number of elements, the sum of
+    its values and two sums weighted by pseudo-random weights of the positions, so reordered values do
+    not collide; for floating inputs also the sum of magnitudes). Ranks at different places get an
+    error naming each rank's place (at a first call with only the programs differing: the inputs whose
+    shapes or dtypes differ); entries beyond one all-gather's slots go in one more all-gather (a
+    multiple of the slots) once the places agree. The first call waits for the result, so a mixed first
+    batch never runs; so does every call on CPU ranks (gloo), where waiting holds up no device, and a
+    wait past ``wait_warning`` seconds after a first call is logged with the place it waits at (a rank
+    that left the loop, or is busy alone: the error comes at the process group's timeout). On a GPU,
+    later calls leave it in flight and compare it at the next call (the result is copied to pinned
+    memory behind an event, so the host never waits for the step): ranks at different places then meet
+    in their programs first, and mixed inputs have run a step, which the error says; the last call of a
+    run is compared only if another call follows, and entries past the first slots make the host wait
+    for the previous step. Every rank of the group must have the check on or off alike. Integer inputs must agree
+    exactly (sums wrap alike in int64); floating ones within 1e-6 of the sum of their magnitudes, since
+    ranks may round differently (another kernel, another summation order)."""
 
-    def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str,
-                 draws: list[str] = ()):
+    def __init__(self, names: list[str], positions: list[int], group, rank: int, graph_name: str, expected: dict,
+                 draws: list[str] = (), wait_warning: float | None = None):
         self.names, self.positions = names, positions  # the user inputs among the graph's inputs
         self.group, self.rank, self.graph_name, self.draws = group, rank, graph_name, list(draws)
+        self.expected, self.wait_warning = expected, wait_warning
+        self.digest = int(hashlib.sha1(repr(sorted(expected.items())).encode()).hexdigest(), 16) & _MASK_52
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
         if self.draws:
@@ -204,7 +221,36 @@ class InputCheck:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self._compare(*pending)
-        entries, meaning = [], []  # meaning: (input index, index of its magnitude entry or None, weight)
+        entries, meaning = self._fingerprints(args)
+        self.calls += 1
+        grad = torch.is_grad_enabled()
+        _GRAPHS[self.digest, grad] = self.graph_name  # (a graph Dynamo compiled again for no_grad has one digest)
+        place = [float(self.digest), float(grad), float(self.calls), float(len(entries))]
+        values = torch.cat([torch.tensor(place, dtype=torch.float64, device=self.device),
+                            *(entry.to(self.device, torch.float64).reshape(1) for entry in entries)])
+        padded = torch.zeros(-(-values.numel() // _SLOTS) * _SLOTS, dtype=torch.float64, device=self.device)
+        padded[:values.numel()] = values
+        gathered = torch.empty(self.group.size() * _SLOTS, dtype=torch.float64, device=self.device)
+        work = dist.all_gather_into_tensor(gathered, padded[:_SLOTS], group=self.group, async_op=True)
+        if gathered.is_cuda:
+            work.wait()  # the stream waits for the all-gather, the host does not
+            result = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            result.copy_(gathered, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            settle = copied.synchronize
+        else:
+            result, settle = gathered, functools.partial(self._wait, work)
+        pending = (settle, result, padded[_SLOTS:], meaning, self.calls)
+        if self.calls == 1 or not gathered.is_cuda:  # (waiting on a CPU all-gather holds up no device)
+            self._compare(*pending, ran=False)
+        else:
+            self.pending = pending
+
+    def _fingerprints(self, args) -> tuple[list[torch.Tensor], list[tuple]]:
+        """The entries of the user inputs' fingerprints, and what each means: (input index, index of its
+        magnitude entry or None, weight)."""
+        entries, meaning = [], []
         values = [args[position] for position in self.positions]
         if self.draws:  # the state the graph's draws start from, on the device the graph runs on
             device = next((value.device for value in args if isinstance(value, torch.Tensor)), self.device)
@@ -215,35 +261,41 @@ class InputCheck:
             meaning += [(index, None if slot == 0 else magnitude, _FLOAT_WEIGHT if slot >= 3 else 1)
                         for slot in range(len(fingerprint))]
             entries += fingerprint
-        if not entries:
-            return
-        fingerprints = torch.stack([entry.to(self.device, torch.float64) for entry in entries])
-        extremes = torch.cat([fingerprints, -fingerprints])
-        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if extremes.is_cuda:
-            work.wait()  # the stream waits for the all-reduce, the host does not
-            result = torch.empty(extremes.shape, dtype=extremes.dtype, pin_memory=True)
-            result.copy_(extremes, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            settle = copied.synchronize
-        else:
-            result, settle = extremes, work.wait
-        self.calls += 1
-        pending = (settle, result, meaning, self.calls)
-        if self.calls == 1 or not extremes.is_cuda:  # (waiting on a CPU all-reduce holds up no device)
-            self._compare(*pending, ran=False)
-        else:
-            self.pending = pending
+        return entries, meaning
 
-    def _compare(self, settle, result, meaning, call: int, ran: bool = True) -> None:
+    def _wait(self, work) -> None:
+        """Wait for a CPU all-gather; past ``wait_warning`` seconds (not at a first call, where a rank may
+        still be compiling), say where this rank waits, and wait on."""
+        if self.wait_warning is None or self.calls == 1:
+            return work.wait()
+        try:
+            return work.wait(timeout=datetime.timedelta(seconds=self.wait_warning))
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the process group's own failure or timeout, not this wait's bound
+        log.warning(
+            "ulysses_compile: rank %d has waited %g s at call %d of %s (%s) for the other sequence-parallel "
+            "ranks: one of them is not calling the model (it left the loop, made fewer calls, waits in another "
+            "collective) or is busy alone (a checkpoint one rank writes, a slow data loader). The wait ends at "
+            "the process group's timeout (%s).", self.rank, self.wait_warning, self.calls, self.graph_name,
+            "grad" if torch.is_grad_enabled() else "no_grad", process_group_timeout(self.group))
+        return work.wait()
+
+    def _compare(self, settle, result, rest, meaning, call: int, ran: bool = True) -> None:
         settle()
-        values = result.tolist()
-        largest, smallest = values[: len(meaning)], [-value for value in values[len(meaning):]]
+        rows = result.view(self.group.size(), _SLOTS).tolist()
+        places = [tuple(int(value) for value in row[:_PLACE]) for row in rows]
+        if len(set(places)) > 1:
+            self._refuse_places(places)
+        if rest.numel():  # the entries past the first all-gather's slots, now that every rank has as many
+            gathered = torch.empty(self.group.size() * rest.numel(), dtype=torch.float64, device=self.device)
+            dist.all_gather_into_tensor(gathered, rest, group=self.group)
+            rows = [row + more for row, more in zip(rows, gathered.view(self.group.size(), -1).tolist())]
+        columns = list(zip(*(row[_PLACE:_PLACE + len(meaning)] for row in rows)))
         differing = []
-        for (owner, magnitude, weight), high, low in zip(meaning, largest, smallest):
-            tolerance = 0.0 if magnitude is None else 1e-6 * weight * largest[magnitude]
-            if abs(high - low) > tolerance:
+        for (owner, magnitude, weight), column in zip(meaning, columns):
+            tolerance = 0.0 if magnitude is None else 1e-6 * weight * max(columns[magnitude])
+            if max(column) - min(column) > tolerance:
                 differing.append(self.names[owner])
         if differing:
             when = "its first call" if call == 1 else f"call {call}, " + (
@@ -268,12 +320,32 @@ class InputCheck:
                 f"own batches on the mesh's \"dp\" dim. options={{\"check_inputs\": False}} turns this check off."
             )
 
+    def _refuse_places(self, places: list[tuple[int, ...]]) -> None:
+        if all(call == 1 and grad == places[0][1] for _, grad, call, _ in places):
+            _compare(gather_objects(self.expected, self.group), self.rank)  # every rank at its first call: the programs
+        counts = len({count for *_, count in places}) > 1  # (a generator's state checked on some ranks only)
+        where = "; ".join(
+            f"rank {rank} at call {call} of {_GRAPHS.get((digest, bool(grad)), 'a graph this rank has not called')} "
+            f"({'grad' if grad else 'no_grad'}{f', {count} entries' if counts else ''})"
+            for rank, (digest, grad, call, count) in enumerate(places))
+        raise RankMismatchError(
+            f"rank {self.rank}: the sequence-parallel ranks are not at the same call of the same compiled graph: "
+            f"{where}. Their programs' collectives would meet collectives of other sizes (a hang, or gloo "
+            f"aborting the process). Every rank of the group must make the same calls of the model in the same "
+            f"order, in the same grad mode (torch.no_grad(), evaluation) and with the same input shapes and dtypes: "
+            f"a rank that calls the model once more (an extra evaluation batch, a last partial batch some ranks "
+            f"do not have) stops them all."
+        )
+
 
 GENERATOR = "the random generator's state"  # what the input check compares beside the inputs, for draws read whole
+_SLOTS = 64  # float64 values each rank adds to an all-gather of the input check (a fixed size: see InputCheck)
+_PLACE = 4  # of which the call's place: the graph's digest, grad mode, call number, number of entries
+_GRAPHS: dict[tuple[int, bool], str] = {}  # (digest, grad mode) of each graph called in this process -> its name
 _BLOCK = 1 << 16  # elements weighted by one row of the weight table
 _CHUNK = 1 << 22  # elements read at a time (a multiple of _BLOCK), so a large input costs no full-size copy
 _FLOAT_WEIGHT = 4.0  # the largest weight of a floating input's weighted sums (two factors in [1, 2))
-_MASK_52 = (1 << 52) - 1  # a hash folded to 52 bits is exact in float64, the all-reduce's dtype
+_MASK_52 = (1 << 52) - 1  # a hash folded to 52 bits is exact in float64, the all-gather's dtype
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     expected = fingerprint(gm, example_inputs)
     ctx, report = rewrite(gm, example_inputs, opts, group)
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
-    check = _input_check(gm, ctx, group, graph_name, report.replicated_draws) \
+    check = _input_check(gm, ctx, group, graph_name, expected, report.replicated_draws, opts.rank_wait_warning) \
         if opts.check_inputs and group.size() > 1 else None
     compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
     if opts.verify == "short":
@@ -84,12 +84,14 @@ def _module_state(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[int, str]]
 ulysses.backend_ctx_ctor = CompiledCall
 
 
-def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str, draws: list[str]) -> InputCheck:
-    """The check of every call's user inputs (not parameters, buffers or ZeRO shards) across the group,
-    and of the random generator's state where the graph reads random draws whole (``draws``)."""
+def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str, expected: dict, draws: list[str],
+                 wait_warning: float | None) -> InputCheck:
+    """The check of every call's place and user inputs (not parameters, buffers or ZeRO shards) across the
+    group, and of the random generator's state where the graph reads random draws whole (``draws``)."""
     names = input_names(gm)
     positions = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node not in ctx.parameters]
-    return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name, draws)
+    return InputCheck([names[i] for i in positions], positions, group, ctx.rank, graph_name, expected, draws,
+                      wait_warning)
 
 
 def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[PassContext, GraphReport]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import inspect
 import os
@@ -37,8 +38,9 @@ from .zero import parallelize
 FACTORY_HELP = "FILE.py:FACTORY, where FACTORY() returns (model, args, kwargs)"
 
 
+@functools.cache
 def load_factory(spec: str):
-    """``FILE.py:FACTORY`` -> the function."""
+    """``FILE.py:FACTORY`` -> the function (the file runs once)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise UlyssesError(f"{spec!r}: expected {FACTORY_HELP}, e.g. model.py:make")

@@ -66,6 +66,9 @@ __all__ = [
     "tag_recompute",
     "tag_zero_gather",
     "bucket_and_prefetch_zero_gathers",
+    "zero_gather_buckets",
+    "inductor_buckets",
+    "live_bytes_peak",
     "zero_unit",
     "aliases_first_input",
     "min_cut_rematerialization_partition",
@@ -431,7 +434,8 @@ def version_counter(tensor: torch.Tensor) -> int:
 def live_bytes_peak(profile) -> int:
     """The most bytes of tensors alive at once while ``profile`` (``profile_memory=True``) recorded,
     counting only what was allocated while it recorded: the profiler's allocation events carry the
-    allocator's running total of those bytes."""
+    allocator's running total of those bytes (on CPU a total the process keeps across recordings: the
+    figure is exact for its first memory-profiled recording)."""
     from torch._C._profiler import _EventType
 
     def walk(events):

@@ -39,13 +39,13 @@ from .compat import (
     buffer_slots,
     c10d_functional,
     dynamo_counters,
+    inductor_buckets,
     make_boxed_func,
     parameter_slots,
     register_fake_backend,
     symbolic_hint,
     tree_leaves,
     tree_map,
-    inductor_buckets,
 )
 from .errors import UlyssesError
 from .memory import GraphMemory, StepMemory

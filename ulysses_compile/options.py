@@ -25,6 +25,7 @@ class Options:
     check_inputs: bool = True  # every call, compare the values of the user's inputs across the group
     tile_mlp: bool | str = "checkpointed"  # gated MLPs in chunks of rows: in checkpointed layers; True: all
     sync_module_states: bool = False  # rank 0's parameters and buffers broadcast (DDP's); else they must agree
+    rank_wait_warning: float | None = 30.0  # seconds a CPU rank waits for the others at a call before it says so
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -48,6 +49,11 @@ class Options:
         for name in ("check_inputs", "sync_module_states"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"option {name}={getattr(self, name)!r}: expected True or False")
+        if self.rank_wait_warning is not None and not (
+                isinstance(self.rank_wait_warning, (int, float)) and not isinstance(self.rank_wait_warning, bool)
+                and 0.001 <= self.rank_wait_warning < float("inf")):
+            raise OptionsError(f"option rank_wait_warning={self.rank_wait_warning!r}: expected seconds (0.001 or "
+                               f"more), or None")
         if self.tile_mlp not in (False, True, "checkpointed") or not isinstance(self.tile_mlp, (bool, str)):
             raise OptionsError(f"option tile_mlp={self.tile_mlp!r}: expected 'checkpointed', True or False")
         if self.verify not in (False, True, "short") or not isinstance(self.verify, (bool, str)):

@@ -1,10 +1,11 @@
 """Which ops of a graph draw from a random generator, and what they draw.
 
-An op is told by the parts of its name (``torch.rand``, ``x.uniform_()``, aten's ``bernoulli.p``,
-``F.dropout2d``, ``F.gumbel_softmax``, torch.distributions' ``_standard_gamma`` ...), so a function, a
-method and an aten op are told alike; a dropout or ``rrelu`` draws only while training with ``p`` not
-0, an attention kernel only with ``dropout_p`` not 0. An argument that ``dynamic=True`` made symbolic
-counts at its value in the call compiled.
+An op of a Dynamo graph is told by the parts of its name (``torch.rand``, ``x.uniform_()``,
+``torch.bernoulli``, ``F.dropout2d``, ``F.gumbel_softmax``, torch.distributions' ``_standard_gamma``
+...), so a function and a method are told alike; a dropout or ``rrelu`` draws only while training with
+``p`` not 0, an attention kernel only with ``dropout_p`` not 0; a loss, a backward or a gradient of a
+random op draws nothing. An argument that ``dynamic=True`` made symbolic counts at its value in the
+call compiled.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def random_draw(node: fx.Node) -> str | None:
         return _kernel_dropout(inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments["dropout_p"])
     if name.split(".")[0] == "scaled_dot_product_attention":
         return _kernel_dropout(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0))
-    if "loss" in parts or not parts & _RANDOM_PARTS:  # (poisson_nll_loss)
+    if parts & {"loss", "backward", "grad"} or not parts & _RANDOM_PARTS:  # (poisson_nll_loss, _dirichlet_grad)
         return None
     if "rrelu" in parts:
         training = node.kwargs.get("training", node.args[3] if len(node.args) > 3 else False)
