@@ -156,7 +156,7 @@ def checks_cost_one_small_all_gather_per_call(rank, world_size):
     8 for input_ids and labels), padded to the fixed size."""
     ids, labels = token_batch(seq=32)
     per_setting, gathered = {}, []
-    all_gather = torch.distributed.all_gather_into_tensor
+    all_gather = torch.distributed.all_gather_single
 
     def recorded(output, tensor, *args, **kwargs):
         gathered.append((tuple(tensor.shape), tensor.dtype, tuple(output.shape)))
@@ -172,12 +172,12 @@ def checks_cost_one_small_all_gather_per_call(rank, world_size):
 
         step()
         gathered.clear()
-        torch.distributed.all_gather_into_tensor = recorded
+        torch.distributed.all_gather_single = recorded
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 step()
         finally:
-            torch.distributed.all_gather_into_tensor = all_gather
+            torch.distributed.all_gather_single = all_gather
         per_setting[check_inputs] = [event.name for event in profile.events() if event.name.startswith("c10d::")]
         if check_inputs:
             assert gathered == [((64,), torch.float64, (64 * world_size,))], gathered  # 512 bytes from each rank

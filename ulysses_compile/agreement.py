@@ -231,7 +231,7 @@ class InputCheck:
         padded = torch.zeros(-(-values.numel() // _SLOTS) * _SLOTS, dtype=torch.float64, device=self.device)
         padded[:values.numel()] = values
         gathered = torch.empty(self.group.size() * _SLOTS, dtype=torch.float64, device=self.device)
-        work = dist.all_gather_into_tensor(gathered, padded[:_SLOTS], group=self.group, async_op=True)
+        work = dist.all_gather_single(gathered, padded[:_SLOTS], group=self.group, async_op=True)
         if gathered.is_cuda:
             work.wait()  # the stream waits for the all-gather, the host does not
             result = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -289,7 +289,7 @@ class InputCheck:
             self._refuse_places(places)
         if rest.numel():  # the entries past the first all-gather's slots, now that every rank has as many
             gathered = torch.empty(self.group.size() * rest.numel(), dtype=torch.float64, device=self.device)
-            dist.all_gather_into_tensor(gathered, rest, group=self.group)
+            dist.all_gather_single(gathered, rest, group=self.group)
             rows = [row + more for row, more in zip(rows, gathered.view(self.group.size(), -1).tolist())]
         columns = list(zip(*(row[_PLACE:_PLACE + len(meaning)] for row in rows)))
         differing = []
