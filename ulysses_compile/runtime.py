@@ -81,7 +81,8 @@ def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: in
                   world_size: int):
     """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
     draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
-    independent, as on one device. Inductor computes only the block's elements of the random tensor."""
+    independent, as on one device. The whole random tensor is allocated for the draw, under Inductor too
+    (its random ops are always realized whole), and freed once the block is taken."""
     if not training or p == 0:
         return x
     if p == 1:
