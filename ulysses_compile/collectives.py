@@ -88,6 +88,22 @@ def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Te
     return _merge_seq(split.narrow(dim + 1, start, size), dim)
 
 
+def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size) -> torch.Tensor:
+    """The flat position, in a contiguous whole tensor of ``shape``, of every element of this rank's
+    sequence block ``block`` (int64, ``block``'s shape): computed from aranges of the block's sizes, so
+    nothing of the whole tensor's size is made."""
+    split = _split_seq(block.shape, dim, outer, inner)
+    whole = _split_seq(shape, dim, outer, inner)
+    start, _ = block_range(whole[dim + 1], world_size, rank)
+    positions = torch.zeros((), dtype=torch.int64, device=block.device)
+    stride = 1
+    for axis in reversed(range(len(split))):
+        index = torch.arange(split[axis], dtype=torch.int64, device=block.device) + (start if axis == dim + 1 else 0)
+        positions = positions + (index * stride).view([-1] + [1] * (len(split) - 1 - axis))
+        stride = stride * whole[axis]
+    return positions.reshape(block.shape)
+
+
 def _all_equal(sizes) -> bool:
     """Blocks known to be of one size. Blocks of a symbolic length count as uneven (padding or split
     sizes of 0 cost little), so the graph holds for every length without a guard."""

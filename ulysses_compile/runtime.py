@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .collectives import take_block
+from .collectives import block_positions
 from .compat import log_softmax_backward
 
 
@@ -79,16 +79,32 @@ def repeat_heads(x, head_axis: int, repeat: int):
 
 def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank: int,
                   world_size: int):
-    """Dropout of this rank's block with the mask one device would draw for the whole tensor: every rank
-    draws the whole mask from the same generator state and keeps its block, so the blocks' masks are
-    independent, as on one device. The whole random tensor is allocated for the draw, under Inductor too
-    (its random ops are always realized whole), and freed once the block is taken."""
+    """Dropout of this rank's block with its part of one mask over the whole tensor, computing only the
+    block's part: two seeds drawn from the generator (the same on every rank where the generators agree)
+    and an element kept where a hash of the seeds and its position in the whole tensor is at least ``p``.
+    The blocks' masks are parts of one mask, independent across blocks as on one device, and no rank
+    makes the whole tensor's random numbers (a ``torch.rand`` of the whole would be: Inductor realizes
+    random ops whole). The mask is not eager's (eager draws element by element from the generator)."""
     if not training or p == 0:
         return x
     if p == 1:
         return x * 0
-    keep = take_block(torch.rand(shape, device=x.device), dim, outer, inner, rank, world_size) >= p
+    seeds = torch.randint(0, 2**31 - 1, (2,), device=x.device)
+    positions = block_positions(x, shape, dim, outer, inner, rank, world_size)
+    hashed = _hash32(_hash32((positions & _LOW_32) ^ seeds[0]) ^ (positions >> 32) ^ seeds[1])
+    keep = (hashed >> 8).to(torch.float32) * 2.0**-24 >= p  # 24 bits: exact in float32, uniform in [0, 1)
     return x * keep / (1 - p)
+
+
+_LOW_32 = (1 << 32) - 1
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of values in [0, 2^32) held in int64 (a multiplier under 2^27, so no
+    product overflows, as signed overflow would in generated C++)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _LOW_32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _LOW_32
+    return x ^ (x >> 16)
 
 
 def counted_tokens(target, ignore_index, weight):
