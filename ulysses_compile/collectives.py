@@ -98,7 +98,8 @@ def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_s
     positions = torch.zeros((), dtype=torch.int64, device=block.device)
     stride = 1
     for axis in reversed(range(len(split))):
-        index = torch.arange(split[axis], dtype=torch.int64, device=block.device) + (start if axis == dim + 1 else 0)
+        index = torch.arange(split[axis], dtype=torch.int64, device=block.device)
+        index = index + start if axis == dim + 1 else index
         positions = positions + (index * stride).view([-1] + [1] * (len(split) - 1 - axis))
         stride = stride * whole[axis]
     return positions.reshape(block.shape)

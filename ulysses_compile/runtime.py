@@ -84,12 +84,14 @@ def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: in
     and an element kept where a hash of the seeds and its position in the whole tensor is at least ``p``.
     The blocks' masks are parts of one mask, independent across blocks as on one device, and no rank
     makes the whole tensor's random numbers (a ``torch.rand`` of the whole would be: Inductor realizes
-    random ops whole). The mask is not eager's (eager draws element by element from the generator)."""
+    random ops whole). The mask is not eager's (eager draws element by element from the generator). Past
+    2^32 elements, each further 2^32 positions keep a permutation of the first 2^32's mask (the hash is
+    one-to-one on 32 bits)."""
     if not training or p == 0:
         return x
     if p == 1:
         return x * 0
-    seeds = torch.randint(0, 2**31 - 1, (2,), device=x.device)
+    seeds = torch.randint(0, 2**32, (2,), device=x.device)
     positions = block_positions(x, shape, dim, outer, inner, rank, world_size)
     hashed = _hash32(_hash32((positions & _LOW_32) ^ seeds[0]) ^ (positions >> 32) ^ seeds[1])
     keep = (hashed >> 8).to(torch.float32) * 2.0**-24 >= p  # 24 bits: exact in float32, uniform in [0, 1)
