@@ -71,10 +71,10 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
             zero_stage: int = 0, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
             optimizer_states: int = 2, dynamic: bool | None = None, **kwargs) -> Report:
     """Report what ``torch.compile(model, backend="ulysses", options=options)`` (``parallelize(model,
-    zero_stage=zero_stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)`` for a stage above 0) does to ``model(*args, **kwargs)`` on rank ``rank`` of
-    ``world_size`` sequence-parallel ranks, without launching them. The memory estimate counts
-    ``optimizer_states`` tensors the size of each trainable parameter (AdamW and Adam: 2; SGD with
-    momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
+    zero_stage=zero_stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)`` for a stage above 0)
+    does to ``model(*args, **kwargs)`` on rank ``rank`` of ``world_size`` sequence-parallel ranks, without
+    launching them. The memory estimate counts ``optimizer_states`` tensors the size of each trainable
+    parameter (AdamW and Adam: 2; SGD with momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
     function of the sequence length (``report.memory.at({symbol: length})``, ``.longest``). The model is
     traced as ``parallelize`` traces it: a checkpointed region that mutates Python state is traced whole."""
     if not isinstance(world_size, int) or world_size < 2:
