@@ -1,7 +1,8 @@
-"""Train a small, unmodified transformers Llama with Ulysses sequence parallelism on P CPU ranks.
+"""Train a small, unmodified transformers Llama with Ulysses sequence parallelism on P CPU ranks (or GPUs).
 
     python examples/demo.py                 # P = 2 gloo ranks, 5 AdamW steps, Inductor
     python examples/demo.py --world-size 4 --steps 3 --compiler aot_eager
+    python examples/demo.py --world-size 1 --device cuda   # one rank per GPU (NCCL)
 
 Every rank builds the same model and passes the same global batch; ``torch.compile(model,
 backend="ulysses")`` shards the sequence over the ranks. Rank 0 also trains an eager single-device copy
@@ -32,12 +33,12 @@ def build_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def batch(step: int, seq_len: int) -> dict:
+def batch(step: int, seq_len: int, device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, 256, (2, seq_len), generator=generator)
     labels = ids.clone()
     labels[:, : seq_len // 8] = -100  # e.g. a prompt that is not trained on
-    return {"input_ids": ids, "labels": labels, "use_cache": False}
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "use_cache": False}
 
 
 def max_relative_grad_error(model, checker, inputs) -> float:
@@ -55,9 +56,15 @@ def max_relative_grad_error(model, checker, inputs) -> float:
 
 def train(rank: int, world_size: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = build_model()
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world_size)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = build_model().to(device)
     reference = copy.deepcopy(model) if rank == 0 else None
     checker = copy.deepcopy(model) if rank == 0 else None
     compiled = torch.compile(model, backend="ulysses", options={"compiler": args.compiler})
@@ -70,7 +77,7 @@ def train(rank: int, world_size: int, args) -> None:
               f"  {'seconds':>7}")
     for step in range(args.steps):
         started = time.perf_counter()
-        inputs = batch(step, args.seq_len)
+        inputs = batch(step, args.seq_len, device)
         optimizer.zero_grad()
         loss = compiled(**inputs).loss
         loss.backward()
@@ -97,6 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

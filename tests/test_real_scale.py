@@ -54,6 +54,9 @@ def test_gpu_check_runs_through_dry_on_cpu(tmp_path):
     done = subprocess.run(["bash", str(script), "--dry-run"], env={**os.environ, "PYTHON": sys.executable,
                           "OUT": str(tmp_path)}, check=True, timeout=900, capture_output=True, text=True)
     assert "ran on cpu: torch" in (tmp_path / "versions.txt").read_text(), done.stdout
+    demo = (tmp_path / "demo.txt").read_text()
+    assert re.search(r"^   0 +(\S+) +\1 ", demo, re.MULTILINE), demo  # at P = 1 the losses agree to the digit
+    assert "3 tests collected" in (tmp_path / "gpu_tests.txt").read_text(), done.stdout
     assert json.loads((tmp_path / "real_scale.json").read_text())["tokens_per_rank"] == 128
     longest = re.search(r"the longest sequence that fits at P = 8 is ([\d,]+) tokens", (tmp_path / "longest.txt").read_text())
     # 64 hidden fp32 per token, a handful of them per layer held at the peak: a few million tokens in 1 GiB
