@@ -431,23 +431,22 @@ def _handwritten_site(softmax: fx.Node) -> "AttentionSite | str | None":
 
 
 def _kernel_dropout(dropout_p) -> str | None:
-    """Why an attention kernel with this ``dropout_p`` runs whole: the kernel draws its mask from the
+    """Why flash-attn with this ``dropout_p`` runs whole: the kernel draws its mask from the CUDA
     generator, in the same state on every rank, so heads split over the ranks would share masks; whole,
-    every rank draws one device's mask for every head. A ``dropout_p`` that ``dynamic=True`` made
-    symbolic counts at the call compiled (a module attribute set to 0)."""
+    every rank draws one device's mask for every head (SDPA's dropout is split: ``attention_heads_dropout``).
+    A ``dropout_p`` that ``dynamic=True`` made symbolic counts at the call compiled (a module attribute set
+    to 0)."""
     if value_at_compile(dropout_p) == 0:
         return None
-    return (f"attention dropout inside the kernel (dropout_p={getattr(dropout_p, 'name', dropout_p)}) would draw the "
-            f"same mask for the heads of every rank; it runs whole on every rank (one device's masks). Set the "
-            f"attention dropout to 0 (config.attention_dropout, attn_pdrop, nn.MultiheadAttention's dropout) to "
+    return (f"flash-attn's dropout inside the kernel (dropout_p={getattr(dropout_p, 'name', dropout_p)}) would draw "
+            f"the same mask for the heads of every rank; it runs whole on every rank (one device's masks). Set the "
+            f"attention dropout to 0, or use SDPA (attn_implementation=\"sdpa\"), whose dropout runs split, to "
             f"parallelize it")
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
     args = sdpa_arguments(node)
     q = _value(args["query"])
-    if (dropout := _kernel_dropout(args.get("dropout_p", 0.0))) is not None:
-        return dropout
     if q.dim() < 3:
         return (f"scaled_dot_product_attention on a query of shape {list(q.shape)} has no head dim to split "
                 f"over the ranks (expected [..., heads, sequence, head_dim]); it runs whole on every rank")

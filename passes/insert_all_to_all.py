@@ -18,6 +18,10 @@ Hand-written attention gets the same treatment around its head-parallel region: 
 ``q @ k^T``, ``k`` into its transpose, ``v`` into ``probs @ v``, and ``heads_to_seq`` in place of the
 ``attention_output`` marker.
 
+SDPA with ``dropout_p > 0`` becomes ``attention_heads_dropout(q_h, k_h, v_h, ..., rank=rank)``: the
+same kernel with its draws seeded apart on each rank, so heads on different ranks get independent masks
+(the kernel draws from the generator, alike on every rank).
+
 Heads split over ranks in balanced blocks (``sharding.block_sizes``): 6 heads on 4 ranks go 2, 2, 1, 1,
 by one all-to-all with split sizes. Key/value heads travel by all-to-all when they split like the query
 heads, in the query's all-to-all when the three share a dtype and all exist before the first of them is
@@ -37,7 +41,8 @@ import operator
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads, seq_to_heads_qkv
-from ulysses_compile.runtime import repeat_heads
+from ulysses_compile.random_draws import random_draw
+from ulysses_compile.runtime import attention_heads_dropout, repeat_heads
 from ulysses_compile.sharding import NodeSharding, Shard, block_range, place, sharding_of
 
 
@@ -68,6 +73,9 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             _mark(output, Shard(site.head_axis), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
+        if site.form == "scaled_dot_product_attention" and random_draw(output) is not None:
+            output.target = attention_heads_dropout
+            output.kwargs = {**output.kwargs, "rank": ctx.rank}
 
 
 def _fused_qkv(graph, site, ctx, replaced) -> bool:

@@ -79,6 +79,36 @@ def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
     assert [fallback.op for fallback in report.fallbacks] == ["scaled_dot_product_attention"] * 2, report.fallbacks
 
 
+def test_transformer_encoder_with_its_default_dropout_is_parallel(fake_group):
+    """``nn.TransformerEncoderLayer``'s default ``dropout=0.1`` includes the attention's, inside SDPA's
+    kernel: each site runs split over heads with its draws seeded apart per rank."""
+    from ulysses_compile.runtime import attention_heads_dropout
+
+    fake_group(2)
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2).train()
+    (gm,) = rewritten_graphs(model, (torch.randn(2, 16, 32),))
+    report = gm.meta["ulysses_report"]
+    assert len(report.attention_sites) == 2 and not report.replicated, str(report)
+    assert len(calls(gm, attention_heads_dropout)) == 2 and len(calls(gm, heads_to_seq)) == 2
+
+
+def test_flash_attn_dropout_inside_the_kernel_runs_whole_with_the_reason(fake_group):
+    """flash-attn draws its dropout from the CUDA generator inside the kernel, where no seed can be set
+    apart per rank: split over heads the ranks would share masks, so the site runs whole (SDPA's dropout
+    runs split: test_input_agreement)."""
+    import functools
+
+    fake_group(2)
+    model, args, kwargs = FORMS["flash_attn"]()
+    model.attention = functools.partial(model.attention, dropout_p=0.5)
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    report = gm.meta["ulysses_report"]
+    assert not report.attention_sites and report.replicated, str(report)
+    (rejected,) = report.rejected_attention
+    assert "flash-attn's dropout inside the kernel (dropout_p=0.5) would draw the same mask" in rejected, rejected
+
+
 def test_reused_attention_weights_are_gathered_whole(fake_group):
     fake_group(4, rank=3)
     model, args, kwargs = FORMS["attention_weights_returned"]()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import tiny_llama, token_batch
-from multirank import run_ranks
+from multirank import assert_close, run_ranks
 from ulysses_compile import RankMismatchError
 from ulysses_compile.agreement import _FLOAT_WEIGHT, _fingerprint
 
@@ -229,7 +229,7 @@ def test_random_draws_are_told_from_lookalikes():
 
     from ulysses_compile.random_draws import random_draw
 
-    from ulysses_compile.runtime import flash_attention, flash_attention_varlen
+    from ulysses_compile.runtime import attention_heads_dropout, flash_attention, flash_attention_varlen
 
     def forward(x):
         return (F.dropout(x, 0.1, True), F.dropout(x, 0.1, False), torch.dropout(x, 0.1, False), F.dropout2d(x, 0.2),
@@ -246,6 +246,7 @@ def test_random_draws_are_told_from_lookalikes():
     for kernel, args in ((flash_attention, (0.5, 1.0, True, (-1, -1), 0.0, None, False)),
                          (flash_attention_varlen, (x, x, 4, 4, 0.0, 1.0, True, (-1, -1), 0.0, None, False))):
         graph.call_function(kernel, (x, x, x, *args))  # (kernels symbolic_trace would run)
+    graph.call_function(attention_heads_dropout, (x, x, x, None, 0.125), {"rank": 1})
     drawn = {node.name: random_draw(node) for node in graph.nodes
              if node.op == "call_function" or node.op == "call_method"}
     assert {name: what for name, what in drawn.items() if what is not None} == {
@@ -254,7 +255,7 @@ def test_random_draws_are_told_from_lookalikes():
         "gumbel_softmax": "gumbel_softmax", "scaled_dot_product_attention": "attention dropout p=0.25",
         "native_dropout": "native_dropout p=0.3", "feature_dropout": "feature_dropout p=0.4", "rrelu_2": "rrelu",
         "normal": "normal", "multinomial": "multinomial", "randperm": "randperm",
-        "flash_attention": "attention dropout p=0.5"}, drawn
+        "flash_attention": "attention dropout p=0.5", "attention_heads_dropout": "attention dropout p=0.125"}, drawn
 
 
 def test_dropout_blocks_are_parts_of_one_mask_and_only_the_blocks_are_drawn(fake_group):
@@ -290,10 +291,72 @@ def test_dropout_blocks_are_parts_of_one_mask_and_only_the_blocks_are_drawn(fake
     fake_group(2)
     model, (ids,), kwargs = nanogpt.make(seq_len=64, dropout=0.1, n_layer=1)
     for block in model.transformer.h:
-        block.attn.dropout = 0.0  # (SDPA's own dropout would run the attention whole)
+        block.attn.dropout = 0.0  # (the activations' dropout is this test's; SDPA's draws in its kernel)
     compiled = torch.compile(model.train(), backend="ulysses", options={"compiler": "inductor"})
     _, (forward, *_) = run_and_get_code(lambda: compiled(ids, **kwargs))
     sizes = [math.prod(int(size) for size in shape.split(",") if size.strip())
              for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", forward)]
     whole = ids.shape[0] * 64 * model.transformer.wte.weight.shape[1]  # (no other buffer has its size here)
     assert sizes and whole not in sizes, sizes
+
+
+class _SameHeads(torch.nn.Module):
+    """Every head attends with the same queries and keys over ``value = I``, so a head's output is its
+    dropped-out attention weights: zero exactly where its mask dropped."""
+
+    def __init__(self, heads: int = 4, width: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q = self.proj(x).unsqueeze(1).expand(batch, self.heads, seq, width)
+        v = torch.eye(seq).expand(batch, self.heads, seq, seq)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, v, dropout_p=0.5 if self.training else 0.0)
+
+
+def attention_dropout_per_head(rank, world_size, compiler, seeds):
+    """SDPA's dropout split over the ranks' heads: the site runs parallel (its kernel under
+    ``attention_heads_dropout``), each head keeps half its weights and no two heads share a mask (heads
+    on other ranks included: the generators agree, or differ); the gradient is eager's for the masks
+    the forward drew; and a nanoGPT with dropout 0.1 everywhere, attention included, runs every site
+    parallel."""
+    import nanogpt
+    from graphs import reporting_backend
+
+    torch.manual_seed(0)
+    model = _SameHeads()
+    x, weights = torch.randn(2, 64, 8), torch.randn(2, 4, 64, 64)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports, compiler=compiler))
+    torch.manual_seed(100 + (rank if seeds == "apart" else 0))
+    out = compiled(x)
+    (out * weights).sum().backward()
+    (report,) = reports
+    assert len(report.attention_sites) == 1 and not report.replicated, str(report)
+    assert {c.kind for c in report.collectives} >= {"seq_to_heads_qkv", "heads_to_seq"}, report.collectives
+    kept = (out != 0).flatten(2).float()  # [batch, heads, seq * seq]
+    assert ((kept.mean(-1) - 0.5).abs() < 0.05).all(), kept.mean(-1)
+    for first in range(4):
+        for second in range(first + 1, 4):
+            agree = (kept[:, first] == kept[:, second]).float().mean()
+            assert abs(agree.item() - 0.5) < 0.05, (first, second, agree)  # 1.0 where two heads share a mask
+
+    reference = torch.nn.Linear(8, 8, bias=False)
+    reference.load_state_dict(model.proj.state_dict())
+    probs = torch.softmax(reference(x) @ reference(x).transpose(1, 2) / 8**0.5, -1)
+    ((probs.unsqueeze(1) * kept.view_as(out) / 0.5) * weights).sum().backward()
+    assert_close("proj.weight.grad", model.proj.weight.grad, reference.weight.grad)
+
+    nanogpt_model, (ids,), kwargs = nanogpt.make(seq_len=32, dropout=0.1)
+    reports.clear()
+    torch.compile(nanogpt_model, backend=reporting_backend(reports, compiler=compiler))(ids, **kwargs)[1].backward()
+    assert [len(r.attention_sites) for r in reports] == [nanogpt_model.config.n_layer], [str(r) for r in reports]
+    assert not reports[0].replicated and not reports[0].replicated_draws, str(reports[0])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compiler,seeds", [("aot_eager", "alike"), ("inductor", "apart")])
+def test_attention_dropout_draws_a_mask_per_head_on_every_rank(compiler, seeds):
+    run_ranks(attention_dropout_per_head, 2, compiler, seeds)

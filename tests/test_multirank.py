@@ -397,35 +397,6 @@ def test_dropout_masks_differ_between_rank_blocks():
     run_ranks(dropout_blocks, 2)
 
 
-class KernelDropout(torch.nn.Module):
-    """SDPA with dropout over 4 heads fed the same query, key and value: two heads' outputs are equal
-    exactly where their dropout masks are."""
-
-    def forward(self, x):
-        heads = x.unsqueeze(1).expand(x.shape[0], 4, *x.shape[1:])
-        return torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, dropout_p=0.5)
-
-
-def kernel_dropout_runs_whole(rank, world_size):
-    """Dropout inside the attention kernel draws from the generator, in one state on every rank: split
-    over heads, rank 1's heads would repeat rank 0's masks. The site runs whole (reported), each head
-    with its own mask, as on one device."""
-    torch.manual_seed(0)
-    x = torch.randn(1, 64, 8)
-    reports = []
-    out = torch.compile(KernelDropout(), backend=reporting_backend(reports))(x).detach()
-    (report,) = reports
-    assert not report.attention_sites and any("attention dropout inside the kernel (dropout_p=0.5)" in reason
-                                              for reason in report.rejected_attention), report.rejected_attention
-    for first in range(4):
-        for second in range(first + 1, 4):
-            assert (out[0, first] != out[0, second]).any(), f"heads {first} and {second} drew the same mask"
-
-
-def test_dropout_inside_the_attention_kernel_runs_whole():
-    run_ranks(kernel_dropout_runs_whole, 2)
-
-
 def group_and_mesh_options(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

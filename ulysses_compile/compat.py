@@ -31,6 +31,7 @@ __all__ = [
     "disabled_torch_function",
     "is_fake",
     "log_softmax_backward",
+    "autograd_inside_an_op",
     "make_wrapper_subclass",
     "c10d_functional",
     "checkpoint_context_fn",
@@ -98,6 +99,16 @@ def make_wrapper_subclass(cls, shape, like: torch.Tensor):
     its own (a ``__torch_dispatch__`` subclass holding other tensors)."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
                                                layout=like.layout, requires_grad=False)
+
+
+def autograd_inside_an_op():
+    """A context in which a custom op's implementation records autograd again: the dispatcher runs the
+    implementation with the autograd keys excluded, so a recompute inside it would record nothing."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name, key in torch._C.DispatchKey.__members__.items():
+        if name.startswith("Autograd"):
+            exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def process_group_timeout(group) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .compat import symbolic_hint
-from .runtime import flash_attention, flash_attention_varlen
+from .runtime import attention_heads_dropout, flash_attention, flash_attention_varlen
 
 _RANDOM_PARTS = frozenset(("dropout", "dropout1d", "dropout2d", "dropout3d", "rand", "randn", "randint", "randperm",
                            "random", "bernoulli", "normal", "multinomial", "poisson", "binomial", "gamma",
@@ -34,7 +34,7 @@ def random_draw(node: fx.Node) -> str | None:
     parts = set(re.split(r"[._]", name)) - {""}
     if node.target in (flash_attention, flash_attention_varlen):
         return _kernel_dropout(inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments["dropout_p"])
-    if name.split(".")[0] == "scaled_dot_product_attention":
+    if name.split(".")[0] == "scaled_dot_product_attention" or node.target is attention_heads_dropout:
         return _kernel_dropout(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0))
     if parts & {"loss", "backward", "grad"} or not parts & _RANDOM_PARTS:  # (poisson_nll_loss, _dirichlet_grad)
         return None

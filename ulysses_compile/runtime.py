@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .collectives import block_positions
-from .compat import log_softmax_backward
+from .compat import autograd_inside_an_op, log_softmax_backward
 
 
 def attention_output(x, head_axis: int, seq_axis: int):
@@ -107,6 +107,80 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _LOW_32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _LOW_32
     return x ^ (x >> 16)
+
+
+def attention_heads_dropout(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                            scale: float | None = None, enable_gqa: bool = False, *, rank: int):
+    """``scaled_dot_product_attention`` (the same parameters) with ``dropout_p`` over this rank's heads, their masks drawn
+    independently of every other rank's heads: the kernel draws from the generator, which is in the same
+    state on every rank, so heads split over the ranks would share masks. A seed drawn from the generator
+    (advancing it alike on every rank) and mixed with the rank seeds the kernel's draws, in a forked
+    generator state; the backward redraws the same masks from the same seed by recomputing the forward
+    (the kernel's saved mask is not an output a custom op can keep). The masks are not eager's."""
+    seed = torch.randint(0, 2**62, (), device="cpu")
+    return _attention_dropout_ops().attention_heads_dropout(query, key, value, attn_mask, dropout_p, is_causal,
+                                                             scale, enable_gqa, seed, rank)
+
+
+def _rank_seed(seed: torch.Tensor, rank: int) -> int:
+    return (int(seed) + 0x9E3779B97F4A7C15 * (rank + 1)) % 2**64  # the golden ratio's 64 bits: seeds far apart
+
+
+def _seeded_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank):
+    with torch.random.fork_rng(devices=[q.device] if q.device.type != "cpu" else [], device_type=q.device.type):
+        torch.manual_seed(_rank_seed(seed, rank))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+
+
+@functools.cache
+def _attention_dropout_ops():
+    """The seeded attention and its backward as custom ops: a change of the generator's state is not an
+    op AOTAutograd can trace, so the kernel call runs inside an op it does not trace into."""
+
+    @torch.library.custom_op("ulysses_compile::attention_heads_dropout", mutates_args=())
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+                is_causal: bool, scale: float | None, enable_gqa: bool, seed: torch.Tensor, rank: int) -> torch.Tensor:
+        return _seeded_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank).contiguous()
+
+    @forward.register_fake
+    def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+    @torch.library.custom_op("ulysses_compile::attention_heads_dropout_backward", mutates_args=())
+    def backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None,
+                    enable_gqa: bool, seed: torch.Tensor, rank: int, mask_grad: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        if mask_grad:
+            inputs.append(attn_mask.detach().requires_grad_())
+        with autograd_inside_an_op(), torch.enable_grad():
+            out = _seeded_attention(*inputs[:3], inputs[3] if mask_grad else attn_mask, dropout_p, is_causal, scale,
+                                    enable_gqa, seed, rank)
+            grads = [g.contiguous() for g in torch.autograd.grad(out, inputs, grad)]
+        return *grads[:3], grads[3] if mask_grad else q.new_empty(0)
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank, mask_grad):
+        return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+                torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else q.new_empty(0))
+
+    def save(ctx, inputs, output):
+        q, k, v, attn_mask, *settings, seed, rank = inputs
+        ctx.save_for_backward(q, k, v, attn_mask, seed)
+        ctx.settings, ctx.rank = settings, rank
+
+    def backward(ctx, grad):
+        q, k, v, attn_mask, seed = ctx.saved_tensors
+        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+        grad_q, grad_k, grad_v, grad_mask = backward_op(grad, q, k, v, attn_mask, *ctx.settings, seed, ctx.rank,
+                                                        mask_grad)
+        return grad_q, grad_k, grad_v, grad_mask if mask_grad else None, None, None, None, None, None, None
+
+    forward.register_autograd(backward, setup_context=save)
+    return torch.ops.ulysses_compile
 
 
 def counted_tokens(target, ignore_index, weight):
