@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp
+from ulysses_compile.compat import FakeTensor, FakeTensorMode, FakeTensorProp, free_unbacked_symbols
 from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import describe, local_shape, sharding_of
 from ulysses_compile.sizes import agree, same_size
@@ -49,5 +49,8 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
 
 def _equal(size, expected) -> bool:
     """Equal by the shape environment's facts (a ``torch._check`` relating two symbols), or at this
-    call's sizes and the next ones."""
+    call's sizes and the next ones. A size read from data (a rank's own count of rows, an unbacked
+    symbol) has no value a placement implies: it is the rank's own."""
+    if free_unbacked_symbols(size) or free_unbacked_symbols(expected):
+        return True
     return same_size(size, expected) or agree(size, expected)

@@ -20,14 +20,21 @@ def rewritten_graphs(model, args, kwargs=None, **options):
     return graphs
 
 
-def reporting_backend(reports: list, **options):
-    """A backend that compiles with ulysses (aot_eager) and appends each graph's report to ``reports``."""
+def reporting_backend(reports: list, as_named: bool = False, **options):
+    """A backend that compiles with ulysses (aot_eager) and appends each graph's report to ``reports``;
+    ``as_named``: with the context Dynamo enters around the calls of ``backend="ulysses"`` (its tracing
+    settings), which a backend passed as a function does not get."""
 
     def backend(gm, example_inputs):
         compiled = ulysses(gm, example_inputs, options={"compiler": "aot_eager", **options})
         reports.append(gm.meta["ulysses_report"])
         return compiled
 
+    if as_named:
+        from ulysses_compile.compat import honour_backend_contexts
+
+        honour_backend_contexts()
+        backend.backend_ctx_ctor = ulysses.backend_ctx_ctor
     return backend
 
 

@@ -29,7 +29,7 @@ from ulysses_compile.backend import ulysses
 from ulysses_compile.collectives import heads_to_seq, seq_to_heads_qkv
 from ulysses_compile.compat import (
     CHECKPOINTED_SIDE_EFFECTS,
-    checkpointed_side_effects_traced,
+    ulysses_tracing,
     dynamo_counters,
     run_and_get_code,
 )
@@ -174,7 +174,7 @@ def test_a_graph_break_in_a_checkpointed_region_under_torch_compile_is_reported_
         assert all(warned[0].removeprefix("ulysses_compile: ") in report.notes for report in reports)
         torch.compiler.reset()
         reports.clear()
-        with checkpointed_side_effects_traced():
+        with ulysses_tracing():
             torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
         (report,) = reports
         assert len(report.attention_sites) == LAYERS and not report.replicated

@@ -174,18 +174,22 @@ def test_explain_shows_moe_blocks_on_the_ranks_tokens(name):
 
 
 def split_dispatch_trains_like_eager(rank, world_size):
-    """torchtitan's loop over experts: the token counts read with ``.tolist()`` break the graph in every
-    MoE layer. Every layer's attention runs parallel, the hidden states cross each break as the rank's
-    block, and the loss and every parameter follow eager through SGD steps on changing batches. Python
-    reads the counts of the whole batch, the same on every rank, so the ranks recompile together when
-    Dynamo specializes a count (0 and 1) and no rank compiles alone."""
+    """torchtitan's loop over experts: the token counts read with ``.tolist()``, the sorted rows
+    ``torch.split`` by them. Dynamo captures the counts as unbacked ints (the backend's tracing
+    settings), so each MoE layer stays in the one graph and every rank splits its own sorted rows at
+    its own counts, which differ across ranks (checked on the eager model's routing of each rank's
+    tokens): one graph compiled once on every rank through 4 SGD steps on changing batches, every
+    attention parallel, nothing gathered, the loss and every parameter as eager's."""
     model, (ids,), kwargs = moe_gpt.make(seq_len=SEQ, dispatch="split")
     reference = copy.deepcopy(model)
+    routed = []
+    for block in reference.transformer.h:
+        block.mlp.router.register_forward_hook(lambda module, args, out: routed.append(out.topk(2, dim=-1).indices))
     reports = []
     torch.compiler.reset()
-    compiled = torch.compile(model, backend=reporting_backend(reports))
+    compiled = torch.compile(model, backend=reporting_backend(reports, as_named=True))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]  # (Adam turns a key bias's zero gradient, noise, into steps)
-    compiles = []
+    compiles, own_counts = [], []
     for step in range(4):
         generator = torch.Generator().manual_seed(step)
         data = torch.randint(0, model.config.vocab_size, (2, SEQ + 1), generator=generator)
@@ -200,18 +204,34 @@ def split_dispatch_trains_like_eager(rank, world_size):
         for optimizer in optimizers:
             optimizer.step()
         compiles.append(len(reports))
+        for experts in routed:  # [B*S, k] in token order: this rank's tokens are its block of each sequence
+            block = experts.view(2, SEQ, 2)[:, rank * SEQ // world_size: (rank + 1) * SEQ // world_size]
+            own_counts.append(torch.bincount(block.reshape(-1), minlength=4).tolist())
+        routed.clear()
     everyone = [None] * world_size
-    torch.distributed.all_gather_object(everyone, compiles)
-    assert all(other == compiles for other in everyone), everyone
-    with_attention = [report for report in reports if report.attention_sites]
-    assert len(with_attention) >= model.config.n_layer and not any(r.replicated for r in with_attention)
-    for report in reports:
-        assert not report.gathered_outputs, str(report)
+    torch.distributed.all_gather_object(everyone, (compiles, own_counts))
+    assert all(other[0] == [1, 1, 1, 1] for other in everyone), everyone
+    assert any(first != second for first, second in zip(everyone[0][1], everyone[1][1])), everyone
+    (report,) = reports
+    assert len(report.attention_sites) == model.config.n_layer and not report.replicated, str(report)
+    assert report.fallbacks == [] and not report.gathered_outputs, str(report)
+    assert not any(c.kind.startswith("gather") for c in report.collectives), report.collectives
     for name, parameter in model.named_parameters():
         assert_close(f"rank {rank} {name} after 4 steps", parameter, dict(reference.named_parameters())[name])
 
 
-@pytest.mark.slow
 @pytest.mark.multirank
-def test_a_data_dependent_break_in_every_moe_layer_trains_like_eager():
+def test_an_moe_reading_its_counts_with_tolist_splits_each_ranks_own_rows():
     run_ranks(split_dispatch_trains_like_eager, 2)
+
+
+def test_explain_lists_every_layer_of_an_moe_reading_its_counts():
+    """On the fake process group too, the rank splits its rows at its own counts (a reduction there
+    returns the rank's term, which a split by the global counts would not fit): one graph, a site per
+    layer, nothing run whole."""
+    from ulysses_compile import explain
+
+    model, (ids,), kwargs = moe_gpt.make(seq_len=SEQ, dispatch="split")
+    report = explain(model, ids, world_size=2, **kwargs)
+    assert len(report.graphs) == 1 and len(report.attention_sites) == model.config.n_layer, str(report)
+    assert not report.graphs[0].replicated and report.graphs[0].fallbacks == [], str(report)

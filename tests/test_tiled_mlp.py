@@ -15,7 +15,7 @@ from models import tiny_llama, token_batch
 from multirank import assert_close, compare_model, run_ranks
 
 import ulysses_compile.runtime as runtime
-from ulysses_compile.compat import checkpointed_side_effects_traced
+from ulysses_compile.compat import ulysses_tracing
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -46,7 +46,7 @@ def mlp_tiled_in_the_model(rank, world_size, checkpointing, tile_mlp):
     ids, labels = token_batch(seq=96)  # 2 x 96 / P rows: several chunks, the last partial at P = 4
     reports = []
     compiled = torch.compile(model, backend=reporting_backend(reports, tile_mlp=tile_mlp))
-    with checkpointed_side_effects_traced():  # transformers 5.25's checkpointed layers: docs/limits.md
+    with ulysses_tracing():  # transformers 5.25's checkpointed layers: docs/limits.md
         got = compiled(input_ids=ids, labels=labels, use_cache=False)
     got.loss.backward()
     (report,) = reports

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
 from torch._inductor import list_mode_options
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
@@ -50,7 +50,7 @@ __all__ = [
     "first_line",
     "CHECKPOINTED_SIDE_EFFECTS",
     "checkpointed_side_effect_break",
-    "checkpointed_side_effects_traced",
+    "ulysses_tracing",
     "honour_backend_contexts",
     "make_boxed_func",
     "op_name",
@@ -76,6 +76,7 @@ __all__ = [
     "no_graph_cse",
     "run_and_get_code",
     "statically_known_true",
+    "free_unbacked_symbols",
     "sympy_interp",
     "trace_structured",
     "tree_leaves",
@@ -173,8 +174,20 @@ def symbolic_hint(size: torch.SymInt) -> int:
 
 
 def symbol_hints(size: torch.SymInt, symbols) -> dict:
-    """The values of size symbols in the call being compiled, from ``size``'s shape environment."""
-    return {symbol: size.node.shape_env.backed_var_to_val[symbol] for symbol in symbols}
+    """The values of size symbols in the call being compiled, from ``size``'s shape environment; a size
+    read from data (an unbacked symbol: a count ``.tolist()`` read) has none, and counts at the largest
+    value its checks allow (the memory it may take)."""
+    shape_env = size.node.shape_env
+    hints = {}
+    for symbol in symbols:
+        if symbol in shape_env.backed_var_to_val:
+            hints[symbol] = shape_env.backed_var_to_val[symbol]
+            continue
+        upper = shape_env.var_to_range[symbol].upper
+        if not upper.is_finite:
+            raise ValueError(f"the size {symbol} is read from data and has no upper bound")
+        hints[symbol] = int(upper)
+    return hints
 
 
 def bind_symbols(size: torch.SymInt, placeholders, args) -> dict:
@@ -346,13 +359,21 @@ def checkpointed_side_effect_break() -> str:
     return ""
 
 
-def checkpointed_side_effects_traced():
-    """A context in which Dynamo traces a checkpointed region whose Python code mutates state from
-    outside it into the graph rather than breaking the graph there: the mutation runs once per call,
-    where eager checkpointing runs it again in the backward's recomputation. transformers 5.25's kernel
-    hub sets and restores a context variable in every attention call, so without it every checkpointed
-    decoder layer leaves the graph."""
-    return torch._dynamo.config.patch(**{CHECKPOINTED_SIDE_EFFECTS: True})
+def ulysses_tracing():
+    """Dynamo's settings for the calls of a model compiled with this backend.
+
+    A checkpointed region whose Python code mutates state from outside it is traced into the graph
+    rather than breaking the graph there: the mutation runs once per call, where eager checkpointing
+    runs it again in the backward's recomputation. transformers 5.25's kernel hub sets and restores a
+    context variable in every attention call, so without it every checkpointed decoder layer leaves the
+    graph.
+
+    Scalars read from tensors (``.item()``, ``.tolist()``) are captured as unbacked symbolic ints rather
+    than breaking the graph: an MoE's per-expert token counts read with ``.tolist()`` (torchtitan's)
+    stay in one graph, where each rank splits its own sorted rows at its own counts, and no count is
+    specialized (a graph after a break would recompile where a count first hits 0 or 1, on one rank
+    alone once the counts are the rank's)."""
+    return torch._dynamo.config.patch(**{CHECKPOINTED_SIDE_EFFECTS: True, "capture_scalar_outputs": True})
 
 
 def honour_backend_contexts() -> None:

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from .compat import checkpointed_side_effects_traced, dynamo_counters, first_line
+from .compat import ulysses_tracing, dynamo_counters, first_line
 
 log = logging.getLogger("ulysses_compile")
 
@@ -26,7 +26,7 @@ class CompiledCall:
     single_rank_runs = 0
 
     def __enter__(self) -> CompiledCall:
-        self._setting = checkpointed_side_effects_traced()
+        self._setting = ulysses_tracing()
         self._setting.__enter__()
         self._failing = sys.exc_info()[1]
         self._ran = (CompiledCall.sites, CompiledCall.single_rank_runs)

@@ -25,6 +25,7 @@ import torch.fx as fx
 from .compat import (
     GraphAppendingTracer,
     PythonReferenceAnalysis,
+    free_unbacked_symbols,
     statically_known_true,
     symbol_hints,
     symbolic_expr,
@@ -57,6 +58,8 @@ def agree(a, b, lengths: int = 16) -> bool:
     every rank's block, which is the length."""
     if not (is_symbolic(a) or is_symbolic(b)):
         return a == b
+    if free_unbacked_symbols(a) or free_unbacked_symbols(b):  # sizes read from data: no call's value
+        return False
     exprs = [symbolic_expr(x) if is_symbolic(x) else x for x in (a, b)]
     symbols = set().union(*(getattr(e, "free_symbols", set()) for e in exprs))
     hints = symbol_hints(a if is_symbolic(a) else b, symbols)

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .agreement import agree_on_module_state
 from .collectives import gather_parameter
-from .compat import checkpointed_side_effects_traced, honour_backend_contexts, parameter_slots, running_backward
+from .compat import ulysses_tracing, honour_backend_contexts, parameter_slots, running_backward
 from .errors import OptionsError, UlyssesError, UnsupportedError
 from .options import Options
 from .sharding import SHARDS, shard_rows
@@ -146,7 +146,7 @@ def compile_partitioned(model: nn.Module, backend, *, zero_stage: int, group, me
     dynamic = True if options.get("verify") == "short" else dynamic
     honour_backend_contexts()
     if not isinstance(backend, str):  # explain's: it traces what "ulysses" would, and reports it itself
-        backend.backend_ctx_ctor = checkpointed_side_effects_traced
+        backend.backend_ctx_ctor = ulysses_tracing
     compiled = (torch.compile(model, backend=backend, dynamic=dynamic, options=options) if isinstance(backend, str)
                 else torch.compile(model, backend=backend, dynamic=dynamic))
     if places:

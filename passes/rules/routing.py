@@ -48,7 +48,7 @@ from ulysses_compile.sharding import (
     sharding_of,
     with_dim,
 )
-from ulysses_compile.sizes import size_arg
+from ulysses_compile.sizes import same_size, size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
 from .pointwise import BINARY_FUNCTIONS, METHODS, UNARY_FUNCTIONS
@@ -219,7 +219,7 @@ def _permuted_like(view, node, args) -> Decision | None:
             demands[arg] = placement
             continue
         dim = target.dim - (out.dim() - view.value(arg).dim())
-        if dim >= 0 and view.value(arg).shape[dim] != 1:
+        if dim >= 0 and not same_size(view.value(arg).shape[dim], 1):
             return None
         demands[arg] = REPLICATE
     return Decision(target, demands)
@@ -389,11 +389,157 @@ def permuted_split_rule(node, view):
         return None
     unbind = node.target in UNBINDS
     names = ("input", "dim") if unbind else ("input", "sections", "dim")
-    dim = normalize_dim(method_or_function_args(node, names, {"dim": 0})["dim"], view.value(source).dim())
+    args = method_or_function_args(node, names, {"dim": 0})
+    dim = normalize_dim(args["dim"], view.value(source).dim())
     if dim == placement.dim:
-        return None
+        counts = None if unbind else _counts_per_expert(args["sections"], placement.order, node.graph)
+        if counts is None:
+            return None
+        return Decision(tuple(placement for _ in outputs), {source: placement, counts: PARTIAL},
+                        _split_by_local_counts(counts))
     part = with_dim(placement, placement.dim - (1 if unbind and dim < placement.dim else 0))
     return Decision(tuple(part for _ in outputs), {source: placement})
+
+
+def _counts_per_expert(sections, order: str, graph: fx.Graph) -> fx.Node | None:
+    """The ``histc`` whose counts ``sections`` reads one by one (``counts.tolist()`` that Dynamo captured
+    with scalar outputs: ``counts[e].item()`` for e = 0, 1, ...), where it counts, per expert in
+    ascending order, the very values the sort ``order`` sorts ascending: then the sorted rows split at
+    the rank's own counts are its rows of each expert, in turn."""
+    if not isinstance(sections, (list, tuple)) or not sections:
+        return None
+    reads = [_item_of(section) for section in sections]
+    if any(read is None for read in reads) or len({counts for counts, _ in reads}) != 1 \
+            or [index for _, index in reads] != list(range(len(sections))):
+        return None
+    histc = _uncast(reads[0][0])
+    if histc.op != "call_function" and histc.op != "call_method" or histc.target not in ("histc", torch.histc) \
+            or not _fixed_range(histc):
+        return None
+    args = method_or_function_args(histc, HISTC_PARAMS, {"bins": 100})
+    bins, low, high = args["bins"], args["min"], args["max"]
+    if bins != len(sections) or any(int((e - low) * bins / (high - low)) != e for e in range(bins)):
+        return None
+    sort = next((n for n in graph.nodes if n.name == order), None)
+    if sort is None or _sorted_input(sort) is not _uncast(args["input"]):
+        return None
+    return histc
+
+
+def _item_of(section) -> tuple[fx.Node, int] | None:
+    if not (isinstance(section, fx.Node) and section.op == "call_method" and section.target == "item"):
+        return None
+    element = section.args[0]
+    if element.target is not operator.getitem or not isinstance(element.args[1], int):
+        return None
+    return element.args[0], element.args[1]
+
+
+def _uncast(node: fx.Node) -> fx.Node:
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS:
+        node = node.args[0]
+    return node
+
+
+def _sorted_input(sort: fx.Node) -> fx.Node | None:
+    """What an ascending ``argsort`` (or ``sort``'s indices) sorts, through casts."""
+    if sort.target is operator.getitem and sort.args[1] == 1:
+        sort = sort.args[0]
+    if sort.target not in ("argsort", torch.argsort, "sort", torch.sort) or \
+            method_or_function_args(sort, ("input", "dim", "descending"), {"descending": False})["descending"]:
+        return None
+    return _uncast(_first(sort))
+
+
+def _split_by_local_counts(counts: fx.Node):
+    """Split the rank's sorted rows at its own counts, read from the rank's term of the counts (the
+    global counts stay for every other reader)."""
+
+    def localize(node: fx.Node, sharding, ctx) -> None:
+        graph = node.graph
+        global_reads = node.args[1]
+        with graph.inserting_before(node):
+            local = place(graph.call_method("long", (counts,)), NodeSharding(PARTIAL, None, {counts: PARTIAL}))
+            sections = place(graph.call_method("tolist", (local,)), NodeSharding(None, None, {local: PARTIAL}))
+        node.args = (node.args[0], sections, *node.args[2:])
+        _drop_unread(global_reads)
+
+    return localize
+
+
+def _drop_unread(reads) -> None:
+    """The global counts' reads, once the split no longer needs them, with the checks Dynamo derived
+    from them (each count within the rows, their sum the rows): the rank's split checks its own sizes."""
+    erased: set[fx.Node] = set()
+
+    def erase(node: fx.Node) -> None:
+        for user in list(node.users):
+            erase(user)
+        if node not in erased:
+            erased.add(node)
+            node.graph.erase_node(node)
+
+    pending = list(reads)
+    while pending:
+        node = pending.pop()
+        if node in erased or not _is_read(node) or not all(_is_check(user) for user in node.users):
+            continue
+        inputs = node.all_input_nodes
+        erase(node)
+        pending += [arg for arg in inputs if arg not in erased]
+
+
+def _is_read(node: fx.Node) -> bool:
+    """A count read out of the counts tensor: ``.item()``, an element, a cast."""
+    return node.op == "call_method" and node.target in ("item", *_CASTS) or node.target is operator.getitem
+
+
+def _is_check(node: fx.Node) -> bool:
+    """A symbolic comparison or sum Dynamo adds for a size read from data, or its runtime assertion."""
+    return node.target in (torch.ops.aten._assert_scalar.default, torch.sym_sum, operator.eq, operator.ge,
+                           operator.le, operator.add, torch._check, torch._check_is_size)
+
+
+
+
+
+@register(torch.cat, "cat", torch.concat, torch.concatenate, permuted=True)
+def permuted_cat_rule(node, view):
+    """The pieces of split sorted rows, each through its expert, joined again in the order they were
+    split (piece e has the e-th count's rows): the rows in their sort's order."""
+    args = method_or_function_args(node, ("tensors", "dim"), {"dim": 0})
+    pieces = args["tensors"]
+    if not isinstance(pieces, (list, tuple)) or not pieces:
+        return None
+    placements = {view.placement(piece) for piece in pieces}
+    if len(placements) != 1:
+        return None
+    placement = placements.pop()
+    if not (isinstance(placement, PermutedShard) and normalize_dim(args["dim"], view.value(pieces[0]).dim()) == placement.dim
+            and _split_pieces_in_order(pieces)):
+        return None
+    return Decision(placement, {piece: placement for piece in pieces})
+
+
+def _split_pieces_in_order(pieces) -> bool:
+    """Whether piece e comes, through ops on its rows (each piece's first input), from the e-th part of
+    one split of sorted rows."""
+    sources = [_split_part(piece) for piece in pieces]
+    return all(source is not None for source in sources) and len({split for split, _ in sources}) == 1 \
+        and [index for _, index in sources] == list(range(len(pieces)))
+
+
+def _split_part(node: fx.Node) -> tuple[fx.Node, int] | None:
+    while isinstance(node, fx.Node) and isinstance(_output_of(node), PermutedShard):
+        if node.target is operator.getitem and isinstance(_output_of(node.args[0]), tuple):
+            return node.args[0], node.args[1]
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _output_of(node) -> object:
+    sharding = sharding_of(node) if isinstance(node, fx.Node) else None
+    return sharding.output if sharding is not None else None
 
 
 @register("histc", torch.histc, permuted=True)
