@@ -194,3 +194,26 @@ def test_forms_through_inductor_at_two_ranks():
     names = ["nanogpt_manual", "einsum_bshd", "flash_attn_gqa_alibi_window", "llama_eager_gqa_gathered",
              "nn_transformer_cross_attention"]
     run_ranks(forms_equal_to_eager, 2, names, "inductor")
+
+
+def test_a_split_that_meets_a_size_read_from_data_runs_the_graph_whole(fake_group, monkeypatch):
+    """Sizes read with ``.item()``/``.tolist()`` are unbacked ints in the graph (the backend's tracing
+    settings); a decision of the split that would need one's value raises torch's data-dependent guard
+    error. The graph then runs whole, as captured, each site reported with the reason; no compile
+    fails. (Forced here on a plain model: the rules that meet such sizes decide without guards.)"""
+    import sympy
+
+    import ulysses_compile.pipeline as pipeline
+    from ulysses_compile.compat import GuardOnDataDependentSymNode
+
+    def meets_a_size_read_from_data(gm, ctx, sites):
+        raise GuardOnDataDependentSymNode(sympy.Eq(sympy.Symbol("u0"), 0), "Could not guard on u0")
+
+    fake_group(2)
+    monkeypatch.setattr(pipeline, "propagate_sharding", meets_a_size_read_from_data)
+    model, args, kwargs = FORMS["llama_6_heads"]()
+    (gm,) = rewritten_graphs(model, args, kwargs)
+    report = gm.meta["ulysses_report"]
+    assert report.replicated.startswith("a size read from data") and not report.attention_sites, str(report)
+    assert len(report.rejected_attention) == 1 and "Could not guard on u0" in report.rejected_attention[0]
+    assert report.collectives == [] and not calls(gm, seq_to_heads_qkv), str(report)

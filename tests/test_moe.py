@@ -235,3 +235,56 @@ def test_explain_lists_every_layer_of_an_moe_reading_its_counts():
     report = explain(model, ids, world_size=2, **kwargs)
     assert len(report.graphs) == 1 and len(report.attention_sites) == model.config.n_layer, str(report)
     assert not report.graphs[0].replicated and report.graphs[0].fallbacks == [], str(report)
+
+
+class SplitSpellings(moe_gpt.MoE):
+    """Other ways to write the split over experts: torchtitan's keyword and the ``histc(ids, E, 0, E - 1)``
+    range (split on each rank's own rows); and three the split rule must not take for a split at the
+    rank's own counts (each then runs its sort whole, exact): a descending sort split at the reversed
+    counts, the pieces joined in reverse, and torchtitan's padded rows (``x[:sum(counts)]``)."""
+
+    spelling = "keyword"
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = x.reshape(-1, C)
+        probs = self.router(x).softmax(dim=-1)
+        gates, experts = probs.topk(self.top_k, dim=-1)
+        self.aux_loss, self.z_loss = probs.mean(), probs.square().mean()
+        flat = experts.reshape(-1)
+        counts = torch.histc(flat.float(), bins=self.n_expert, min=0, max=self.n_expert - 1)
+        descending = self.spelling == "descending"
+        order = flat.argsort(stable=True, descending=descending)
+        tokens = order // self.top_k
+        sizes = counts.long().tolist()[::-1] if descending else counts.long().tolist()
+        rows = x[tokens][: sum(sizes)] if self.spelling == "padded" else x[tokens]
+        chunks = torch.split(rows, split_size_or_sections=sizes, dim=0)
+        experts_of = range(self.n_expert - 1, -1, -1) if descending else range(self.n_expert)
+        outs = [torch.nn.functional.gelu(chunk @ self.w_in[e]) @ self.w_out[e] for e, chunk in zip(experts_of, chunks)]
+        y = torch.cat(outs[::-1] if self.spelling == "reversed_cat" else outs)
+        out = torch.zeros_like(x).index_add_(0, tokens, y * gates.reshape(-1)[order].unsqueeze(-1))
+        return out.reshape(B, T, C)
+
+
+def split_spellings_equal_eager(rank, world_size):
+    for spelling in ("keyword", "descending", "reversed_cat", "padded"):
+        model, (ids,), kwargs = moe_gpt.make(seq_len=SEQ, dispatch="split")
+        for block in model.transformer.h:
+            block.mlp.__class__, block.mlp.spelling = SplitSpellings, spelling
+        reference = copy.deepcopy(model)
+        reports = []
+        torch.compiler.reset()
+        loss = torch.compile(model, backend=reporting_backend(reports, as_named=True))(ids, **kwargs)[1]
+        loss.backward()
+        want = reference(ids, **kwargs)[1]
+        want.backward()
+        compare_model(rank, model, reference, {f"{spelling} loss": (loss, want)})
+        (report,) = reports
+        assert len(report.attention_sites) == model.config.n_layer and not report.replicated, str(report)
+        whole_sorts = [fallback for fallback in report.fallbacks if fallback.op == "argsort"]
+        assert len(whole_sorts) == (0 if spelling == "keyword" else model.config.n_layer), (spelling, str(report))
+
+
+@pytest.mark.multirank
+def test_other_spellings_of_the_expert_split_are_exact_and_only_the_rank_local_ones_split_locally():
+    run_ranks(split_spellings_equal_eager, 2)

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
 from torch._inductor import list_mode_options
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols, statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
@@ -77,6 +77,7 @@ __all__ = [
     "run_and_get_code",
     "statically_known_true",
     "free_unbacked_symbols",
+    "GuardOnDataDependentSymNode",
     "sympy_interp",
     "trace_structured",
     "tree_leaves",
@@ -174,9 +175,13 @@ def symbolic_hint(size: torch.SymInt) -> int:
 
 
 def symbol_hints(size: torch.SymInt, symbols) -> dict:
-    """The values of size symbols in the call being compiled, from ``size``'s shape environment; a size
-    read from data (an unbacked symbol: a count ``.tolist()`` read) has none, and counts at the largest
-    value its checks allow (the memory it may take)."""
+    """The values of size symbols in the call being compiled, from ``size``'s shape environment. A size
+    read from data (an unbacked symbol: a count ``.tolist()`` read) has none: it counts at the largest
+    value its checks allow (the memory it may take), or, unbounded, at Inductor's own fallback for such
+    sizes."""
+    import sympy
+    from torch._inductor import config as inductor_config
+
     shape_env = size.node.shape_env
     hints = {}
     for symbol in symbols:
@@ -184,9 +189,7 @@ def symbol_hints(size: torch.SymInt, symbols) -> dict:
             hints[symbol] = shape_env.backed_var_to_val[symbol]
             continue
         upper = shape_env.var_to_range[symbol].upper
-        if not upper.is_finite:
-            raise ValueError(f"the size {symbol} is read from data and has no upper bound")
-        hints[symbol] = int(upper)
+        hints[symbol] = int(upper) if isinstance(upper, sympy.Integer) else inductor_config.unbacked_symint_fallback
     return hints
 
 

@@ -17,6 +17,7 @@ The pipeline times each pass, keeps the graph code after each in the report, and
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .collectives import COLLECTIVES
-from .compat import CHECKPOINTED_SIDE_EFFECTS, CompileContext, trace_structured
+from .compat import CHECKPOINTED_SIDE_EFFECTS, CompileContext, GuardOnDataDependentSymNode, first_line, trace_structured
 from .context import PassContext
 from .passes.average_data_parallel_grads import average_data_parallel_grads
 from .passes.check_local_shapes import check_local_shapes
@@ -65,12 +66,18 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
-        report.replicated = _why_replicated(detection, ctx)
         if not detection.sites and ctx.checkpointed_side_effect_break:
             report.notes.append(_broken_checkpointed_region(ctx.checkpointed_side_effect_break))
             _warn_once(report.notes[-1])
-        if not report.replicated:
-            _split(gm, ctx, detection.sites, report)
+        unsplit = copy.deepcopy(gm.graph)
+        try:
+            report.replicated = _why_replicated(detection, ctx)
+            if not report.replicated:
+                _split(gm, ctx, detection.sites, report)
+        except GuardOnDataDependentSymNode as error:
+            gm.graph = unsplit
+            report = _sized_by_data(report, error)
+            _warn_once(report.replicated)
     if report.replicated:
         report.replicated_draws = _replicated_draws(gm)
         # What a graph that is not split still needs: its checkpointed regions opened (the tags are this
@@ -97,6 +104,16 @@ def one_rank_rewrites(gm: fx.GraphModule) -> list[str]:
         notes = []
     gm.recompile()
     return notes
+
+
+def _sized_by_data(report: GraphReport, error: Exception) -> GraphReport:
+    """The report of a graph whose split met a size read from data (an ``.item()`` or ``.tolist()`` that
+    Dynamo captured) where a decision needs its value: the graph runs whole, as captured."""
+    why = (f"a size read from data (.item() or .tolist() in the model) decides how it would be split "
+           f"({first_line(str(error))}), which no rank knows before it runs")
+    return GraphReport(captured=report.captured, notes=report.notes, replicated=why,
+                       rejected_attention=[*report.rejected_attention,
+                                           *(f"{site.module}: {why}" for site in report.attention_sites)])
 
 
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:

@@ -111,12 +111,13 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def attention_heads_dropout(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                             scale: float | None = None, enable_gqa: bool = False, *, rank: int):
-    """``scaled_dot_product_attention`` (the same parameters) with ``dropout_p`` over this rank's heads, their masks drawn
-    independently of every other rank's heads: the kernel draws from the generator, which is in the same
-    state on every rank, so heads split over the ranks would share masks. A seed drawn from the generator
-    (advancing it alike on every rank) and mixed with the rank seeds the kernel's draws, in a forked
-    generator state; the backward redraws the same masks from the same seed by recomputing the forward
-    (the kernel's saved mask is not an output a custom op can keep). The masks are not eager's."""
+    """``scaled_dot_product_attention`` (the same parameters) with ``dropout_p`` over this rank's heads,
+    their masks drawn independently of every other rank's heads: the kernel draws from the generator,
+    which is in the same state on every rank, so heads split over the ranks would share masks. A seed
+    drawn from the generator (advancing it alike on every rank) and mixed with the rank seeds the
+    kernel's draws, in a forked generator state; the backward redraws the same masks from the same seed
+    by recomputing the forward (the kernel's saved mask is not an output a custom op can keep). The
+    masks are not eager's."""
     seed = torch.randint(0, 2**62, (), device="cpu")
     return _attention_dropout_ops().attention_heads_dropout(query, key, value, attn_mask, dropout_p, is_causal,
                                                              scale, enable_gqa, seed, rank)
@@ -127,11 +128,29 @@ def _rank_seed(seed: torch.Tensor, rank: int) -> int:
 
 
 def _seeded_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank):
-    with torch.random.fork_rng(devices=[q.device] if q.device.type != "cpu" else [], device_type=q.device.type):
-        torch.manual_seed(_rank_seed(seed, rank))
+    """The attention with its draws from the rank's seed, in a forked state of the one generator it
+    draws from (the CPU's, or its device's). Inputs that require grad make the forward pick the kernel
+    the backward's recompute picks (SDPA chooses some kernels by it), so both draw the same masks."""
+    device = q.device
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device.index], device_type=device.type):
+        if device.type == "cpu":
+            torch.default_generator.manual_seed(_rank_seed(seed, rank))
+        else:
+            module = torch.get_device_module(device)
+            with module.device(device):
+                module.manual_seed(_rank_seed(seed, rank))
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
+
+
+def _attention_for_gradients(q, k, v, attn_mask, settings, seed, rank, mask_grad: bool):
+    """The seeded attention recorded by autograd, on detached inputs that require grad."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    mask = attn_mask.detach().requires_grad_() if mask_grad else attn_mask
+    with autograd_inside_an_op(), torch.enable_grad():
+        out = _seeded_attention(*inputs, mask, *settings, seed, rank)
+    return out, inputs + ([mask] if mask_grad else [])
 
 
 @functools.cache
@@ -142,7 +161,9 @@ def _attention_dropout_ops():
     @torch.library.custom_op("ulysses_compile::attention_heads_dropout", mutates_args=())
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
                 is_causal: bool, scale: float | None, enable_gqa: bool, seed: torch.Tensor, rank: int) -> torch.Tensor:
-        return _seeded_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank).contiguous()
+        out, _ = _attention_for_gradients(q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa), seed, rank,
+                                          mask_grad=False)
+        return out.detach().contiguous()
 
     @forward.register_fake
     def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank):
@@ -153,12 +174,9 @@ def _attention_dropout_ops():
                     attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None,
                     enable_gqa: bool, seed: torch.Tensor, rank: int, mask_grad: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        if mask_grad:
-            inputs.append(attn_mask.detach().requires_grad_())
-        with autograd_inside_an_op(), torch.enable_grad():
-            out = _seeded_attention(*inputs[:3], inputs[3] if mask_grad else attn_mask, dropout_p, is_causal, scale,
-                                    enable_gqa, seed, rank)
+        out, inputs = _attention_for_gradients(q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa), seed,
+                                               rank, mask_grad)
+        with autograd_inside_an_op():
             grads = [g.contiguous() for g in torch.autograd.grad(out, inputs, grad)]
         return *grads[:3], grads[3] if mask_grad else q.new_empty(0)
 

@@ -381,7 +381,8 @@ def permuted_gather_rule(node, view):
 
 @register(*SPLITS, *UNBINDS, permuted=True)
 def permuted_split_rule(node, view):
-    """Splits along a dim other than the rows (a fused gate/up projection's two halves)."""
+    """Splits along a dim other than the rows (a fused gate/up projection's two halves), and splits of
+    the rows at per-expert counts (:func:`_counts_per_expert`)."""
     source = _first(node)
     placement = view.placement(source)
     outputs = view.value(node)
@@ -392,16 +393,33 @@ def permuted_split_rule(node, view):
     args = method_or_function_args(node, names, {"dim": 0})
     dim = normalize_dim(args["dim"], view.value(source).dim())
     if dim == placement.dim:
-        counts = None if unbind else _counts_per_expert(args["sections"], placement.order, node.graph)
+        sections = _split_sections(node)
+        counts = None if sections is None else _counts_per_expert(sections[1], placement.order, view)
         if counts is None:
             return None
         return Decision(tuple(placement for _ in outputs), {source: placement, counts: PARTIAL},
-                        _split_by_local_counts(counts))
+                        _split_by_local_counts(counts, sections[0]))
     part = with_dim(placement, placement.dim - (1 if unbind and dim < placement.dim else 0))
     return Decision(tuple(part for _ in outputs), {source: placement})
 
 
-def _counts_per_expert(sections, order: str, graph: fx.Graph) -> fx.Node | None:
+_SIZED_SPLITS = (torch.split, "split")
+
+
+def _split_sections(node: fx.Node) -> tuple[int | str, object] | None:
+    """Where a split by sizes holds its sizes (an argument position or keyword) and what they are;
+    None for splits whose list means something else (``tensor_split``'s cut positions) or that have none."""
+    if node.target not in _SIZED_SPLITS:
+        return None
+    if len(node.args) > 1:
+        return 1, node.args[1]
+    for keyword in ("split_size_or_sections", "split_size"):
+        if keyword in node.kwargs:
+            return keyword, node.kwargs[keyword]
+    return None
+
+
+def _counts_per_expert(sections, order: str, view) -> fx.Node | None:
     """The ``histc`` whose counts ``sections`` reads one by one (``counts.tolist()`` that Dynamo captured
     with scalar outputs: ``counts[e].item()`` for e = 0, 1, ...), where it counts, per expert in
     ascending order, the very values the sort ``order`` sorts ascending: then the sorted rows split at
@@ -413,17 +431,23 @@ def _counts_per_expert(sections, order: str, graph: fx.Graph) -> fx.Node | None:
             or [index for _, index in reads] != list(range(len(sections))):
         return None
     histc = _uncast(reads[0][0])
-    if histc.op != "call_function" and histc.op != "call_method" or histc.target not in ("histc", torch.histc) \
+    if histc.op not in ("call_function", "call_method") or histc.target not in ("histc", torch.histc) \
             or not _fixed_range(histc):
         return None
     args = method_or_function_args(histc, HISTC_PARAMS, {"bins": 100})
-    bins, low, high = args["bins"], args["min"], args["max"]
-    if bins != len(sections) or any(int((e - low) * bins / (high - low)) != e for e in range(bins)):
+    if args["bins"] != len(sections) or any(_histc_bin(e, args) != e for e in range(args["bins"])):
         return None
-    sort = next((n for n in graph.nodes if n.name == order), None)
-    if sort is None or _sorted_input(sort) is not _uncast(args["input"]):
+    sort = next((n for n in histc.graph.nodes if n.name == order), None)
+    sorted_values = None if sort is None else _sorted_input(sort)
+    if sorted_values is None or sorted_values is not _uncast(args["input"]) or view.value(sorted_values).dim() != 1:
         return None
     return histc
+
+
+def _histc_bin(value: int, args: dict) -> int:
+    """The bin ``histc`` counts an integer in (its maximum in the last bin)."""
+    bins, low, high = args["bins"], args["min"], args["max"]
+    return bins - 1 if value == high else int((value - low) * bins / (high - low))
 
 
 def _item_of(section) -> tuple[fx.Node, int] | None:
@@ -451,42 +475,60 @@ def _sorted_input(sort: fx.Node) -> fx.Node | None:
     return _uncast(_first(sort))
 
 
-def _split_by_local_counts(counts: fx.Node):
-    """Split the rank's sorted rows at its own counts, read from the rank's term of the counts (the
-    global counts stay for every other reader)."""
+def _split_by_local_counts(counts: fx.Node, where: int | str):
+    """Split the rank's sorted rows at its own counts, read from the rank's term of the counts; the
+    global counts' reads go, with Dynamo's checks of them, where nothing else reads them."""
 
     def localize(node: fx.Node, sharding, ctx) -> None:
         graph = node.graph
-        global_reads = node.args[1]
+        global_reads = node.args[where] if isinstance(where, int) else node.kwargs[where]
         with graph.inserting_before(node):
             local = place(graph.call_method("long", (counts,)), NodeSharding(PARTIAL, None, {counts: PARTIAL}))
             sections = place(graph.call_method("tolist", (local,)), NodeSharding(None, None, {local: PARTIAL}))
-        node.args = (node.args[0], sections, *node.args[2:])
+        if isinstance(where, int):
+            node.args = (*node.args[:where], sections, *node.args[where + 1:])
+        else:
+            node.kwargs = {**node.kwargs, where: sections}
         _drop_unread(global_reads)
 
     return localize
 
 
 def _drop_unread(reads) -> None:
-    """The global counts' reads, once the split no longer needs them, with the checks Dynamo derived
-    from them (each count within the rows, their sum the rows): the rank's split checks its own sizes."""
+    """The global counts' reads where nothing but Dynamo's checks of them reads them (each count within
+    the rows, their sum the rows): the rank's split checks its own sizes."""
     erased: set[fx.Node] = set()
-
-    def erase(node: fx.Node) -> None:
-        for user in list(node.users):
-            erase(user)
-        if node not in erased:
-            erased.add(node)
-            node.graph.erase_node(node)
-
     pending = list(reads)
     while pending:
         node = pending.pop()
-        if node in erased or not _is_read(node) or not all(_is_check(user) for user in node.users):
+        if node in erased or not _is_read(node):
+            continue
+        readers = _all_users(node)
+        if not all(_is_check(reader) for reader in readers) or any(
+                not reader.users and reader.target not in _ASSERTIONS for reader in readers):
             continue
         inputs = node.all_input_nodes
-        erase(node)
+        for reader in sorted(readers, key=_position, reverse=True):
+            if reader not in erased:
+                erased.add(reader)
+                reader.graph.erase_node(reader)
+        erased.add(node)
+        node.graph.erase_node(node)
         pending += [arg for arg in inputs if arg not in erased]
+
+
+def _all_users(node: fx.Node) -> set[fx.Node]:
+    found, pending = set(), list(node.users)
+    while pending:
+        user = pending.pop()
+        if user not in found:
+            found.add(user)
+            pending += list(user.users)
+    return found
+
+
+def _position(node: fx.Node) -> int:
+    return next(index for index, candidate in enumerate(node.graph.nodes) if candidate is node)
 
 
 def _is_read(node: fx.Node) -> bool:
@@ -494,13 +536,13 @@ def _is_read(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in ("item", *_CASTS) or node.target is operator.getitem
 
 
+_ASSERTIONS = (torch.ops.aten._assert_scalar.default, torch._check, torch._check_is_size)
+
+
 def _is_check(node: fx.Node) -> bool:
     """A symbolic comparison or sum Dynamo adds for a size read from data, or its runtime assertion."""
-    return node.target in (torch.ops.aten._assert_scalar.default, torch.sym_sum, operator.eq, operator.ge,
-                           operator.le, operator.add, torch._check, torch._check_is_size)
-
-
-
+    return node.op == "call_function" and node.target in (*_ASSERTIONS, torch.sym_sum, operator.eq, operator.ge,
+                                                          operator.le, operator.add)
 
 
 @register(torch.cat, "cat", torch.concat, torch.concatenate, permuted=True)
@@ -515,18 +557,20 @@ def permuted_cat_rule(node, view):
     if len(placements) != 1:
         return None
     placement = placements.pop()
-    if not (isinstance(placement, PermutedShard) and normalize_dim(args["dim"], view.value(pieces[0]).dim()) == placement.dim
-            and _split_pieces_in_order(pieces)):
+    dim = normalize_dim(args["dim"], view.value(pieces[0]).dim())
+    if not (isinstance(placement, PermutedShard) and dim == placement.dim and _split_pieces_in_order(pieces)):
         return None
     return Decision(placement, {piece: placement for piece in pieces})
 
 
 def _split_pieces_in_order(pieces) -> bool:
     """Whether piece e comes, through ops on its rows (each piece's first input), from the e-th part of
-    one split of sorted rows."""
+    one split of sorted rows, and every part is there."""
     sources = [_split_part(piece) for piece in pieces]
-    return all(source is not None for source in sources) and len({split for split, _ in sources}) == 1 \
-        and [index for _, index in sources] == list(range(len(pieces)))
+    if any(source is None for source in sources) or len({split for split, _ in sources}) != 1:
+        return False
+    split = sources[0][0]
+    return [index for _, index in sources] == list(range(len(split.meta["example_value"])))
 
 
 def _split_part(node: fx.Node) -> tuple[fx.Node, int] | None:
