@@ -13,7 +13,7 @@ the full parameter is freed and only the shard stays alive. (The partitioner sav
 recomputation whose user lies in a later region: a gather tagged outside its layer's region would
 stay whole from the forward to the backward.) Stages 1
 and 2 (``regather_in_backward=False``) keep the gathered parameter: less traffic, more memory. Every
-stage's gathers are also marked as ZeRO's, with their layer (``compat.tag_zero_gather``, in
+stage's gathers are also marked as ZeRO's, with their layer (``bucket_zero_gathers.tag_zero_gather``, in
 ``meta["custom"]``: a module path's numbered part, ``model.layers.3``, or the module's path), the mark by
 which ``backend.bucketing`` has Inductor merge each layer's parameter all-gathers, and only those.
 
@@ -28,8 +28,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ulysses_compile.collectives import gather_parameter
-from ulysses_compile.compat import recompute_region, tag_recompute, tag_zero_gather
+from ulysses_compile.compat import recompute_region, tag_recompute
 from ulysses_compile.report import layer_of, module_path
+
+from .bucket_zero_gathers import tag_zero_gather
 
 _SIGNATURE = inspect.signature(gather_parameter)
 

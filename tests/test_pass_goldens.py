@@ -392,3 +392,57 @@ def test_every_pass_points_at_its_golden(fake_group):
         assert f"test_pass_goldens.py::test_{name}" in doc or (
             name == "inline_checkpoint_regions" and "tests/test_checkpointing.py" in doc), (
             f"{module}: its docstring does not name its golden")
+
+
+def test_bucket_zero_gathers(fake_group):
+    """Inductor's post-grad pass on three ZeRO gathers, two of layer h.0 and one of h.1: h.0's merge into
+    one bucket and h.1's starts before h.0's wait (control dependencies pin the order)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ulysses_compile.compat import c10d_functional
+    from ulysses_compile.passes.bucket_zero_gathers import BucketZeroGathers, tag_zero_gather
+
+    group = fake_group(2).group_name
+
+    def program(w_q, w_k, w_q1):
+        gathered = [c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(shard, 2, group))
+                    for shard in (w_q, w_k, w_q1)]
+        return gathered[0] @ gathered[1] @ gathered[2]
+
+    gm = make_fx(program, tracing_mode="fake")(*(torch.randn(2, 4) for _ in range(3)))
+    units = iter(["h.0", "h.0", "h.1"])
+    for node in gm.graph.find_nodes(op="call_function", target=c10d_functional.all_gather_into_tensor.default):
+        tag_zero_gather(node, next(units))
+    before = gm.code
+    BucketZeroGathers()(gm.graph)
+    gm.recompile()
+    before, after = (_lines(code.replace(repr(group), "group")) for code in (before, gm.code))
+    diff = difflib.unified_diff(before, after, lineterm="", n=0)
+    assert_expected_inline("\n".join(line for line in diff if line[:1] in "+-" and line[:3] not in ("---", "+++")),
+                           """\
+-    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(w_q_1, 2, group)
+-    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
+-    all_gather_into_tensor_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(w_k_1, 2, group)
+-    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1)
+-    all_gather_into_tensor_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(w_q1_1, 2, group)
++    empty = torch.ops.aten.empty.memory_format([32], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
++    slice_1 = torch.ops.aten.slice.Tensor(empty, 0, 0, 16)
++    view = torch.ops.aten.view.default(w_q_1, [-1])
++    view_1 = torch.ops.aten.view.default(w_k_1, [-1])
++    cat = torch.ops.aten.cat.default([view, view_1])
++    copy_ = torch.ops.aten.copy_.default(slice_1, cat)
++    all_gather_into_tensor_out = torch.ops._c10d_functional.all_gather_into_tensor_out.default(copy_, 2, group, out = empty)
++    subgraph_all_gather_into_tensor_2 = self.subgraph_all_gather_into_tensor_2
++    all_gather_into_tensor_2 = torch.ops.higher_order.control_deps((all_gather_into_tensor_out,), subgraph_all_gather_into_tensor_2, w_q1_1)
++    subgraph_wait_tensor_3 = self.subgraph_wait_tensor_3
++    wait_tensor_3 = torch.ops.higher_order.control_deps((all_gather_into_tensor_2,), subgraph_wait_tensor_3, all_gather_into_tensor_out)
++    view_2 = torch.ops.aten.view.default(wait_tensor_3, [2, -1])
++    split_with_sizes = torch.ops.aten.split_with_sizes.default(view_2, [8, 8], 1)
++    getitem = split_with_sizes[0]
++    getitem_1 = split_with_sizes[1]
++    clone = torch.ops.aten.clone.default(getitem, memory_format = torch.contiguous_format)
++    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [4, 4])
++    clone_1 = torch.ops.aten.clone.default(getitem_1, memory_format = torch.contiguous_format)
++    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(clone_1, [4, 4])
+-    mm = torch.ops.aten.mm.default(wait_tensor, wait_tensor_1)
++    mm = torch.ops.aten.mm.default(_unsafe_view, _unsafe_view_1)""")

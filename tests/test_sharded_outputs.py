@@ -283,3 +283,30 @@ def test_regionally_compiled_layers_pass_each_other_their_blocks_equal_to_eager(
     gradient goes back as blocks: the sequence is not gathered between layers, whatever their number,
     at a length the graphs were compiled for (62: uneven blocks) and in graphs compiled for every one."""
     run_ranks(regionally_compiled, world_size, lengths)
+
+
+def test_the_compile_caller_is_told_from_code_that_reads_the_outputs_first():
+    """``backend.returns_to_compile_caller``: a graph that ends at a return hands its outputs to the
+    caller of the compiled function (or module); one that ends at a graph break hands them to the code
+    after the break, and the graph of that code, resumed, returns to the caller again."""
+    from ulysses_compile.backend import returns_to_compile_caller
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(returns_to_compile_caller(gm))
+        return gm.forward
+
+    def returned(x):
+        return x * 2
+
+    def broken(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    torch.compiler.reset()
+    torch.compile(returned, backend=backend)(torch.ones(2))
+    torch.compile(broken, backend=backend)(torch.ones(2))
+    torch.compile(torch.nn.Linear(2, 2), backend=backend)(torch.ones(2))
+    assert seen == [True, False, True, True]

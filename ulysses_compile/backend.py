@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import inspect
 import logging
+import sys
 
 import torch
 import torch.fx as fx
@@ -15,15 +17,13 @@ from .compat import (
     CompileContext,
     aot_autograd,
     boxed_nop,
-    bucket_and_prefetch_zero_gathers,
     checkpointed_side_effect_break,
     compile_fx,
     graph_break_reason,
     list_mode_options,
     min_cut_rematerialization_partition,
     no_graph_cse,
-    returns_to_compile_caller,
-    zero_unit,
+    orig_code_map,
 )
 from .boundary import leave_sharded, refuse_dtensor_inputs
 from .collectives import gather_parameter
@@ -31,6 +31,7 @@ from .compiled_calls import CompiledCall, counted
 from .context import PassContext
 from .errors import UnsupportedError
 from .options import Options
+from .passes.bucket_zero_gathers import BucketZeroGathers, zero_unit
 from .sharding import SHARDS
 from .pipeline import one_rank_rewrites, run_pipeline
 from .report import GraphReport, layer_of
@@ -114,6 +115,38 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
     return ctx, report
 
 
+def returns_to_compile_caller(gm) -> bool:
+    """Whether the graph being compiled hands its outputs straight to the code that called the
+    ``torch.compile``-d function or module, and nothing else, compiled or eager, reads them first.
+
+    Dynamo compiles a graph at a frame's return or at a graph break (``compile_subgraph_reason``). At a
+    return, the frame's callers are walked from Dynamo's frame callback up: ``nn.Module`` call machinery
+    and Dynamo-transformed frames that return the call's result at once pass it on; reaching
+    ``torch.compile``'s entry (``eval_frame.py``) means the caller is the user's. Anything else (eager
+    code between graphs, a transformed frame that continues after the call) reads it first."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and reason.graph_break:
+        return False
+    frame, caller = sys._getframe(1), None
+    while frame is not None:  # the caller of the frame being compiled: above Dynamo's outermost callback frame
+        if frame.f_code.co_filename.endswith("torch/_dynamo/convert_frame.py"):
+            caller = frame.f_back
+        frame = frame.f_back
+    frame = caller
+    while frame is not None:
+        code, path = frame.f_code, frame.f_code.co_filename
+        if path.endswith("torch/_dynamo/eval_frame.py"):
+            return True
+        if code in orig_code_map:
+            after = [i for i in dis.get_instructions(code) if i.offset > frame.f_lasti and i.opname != "CACHE"]
+            if not after or after[0].opname != "RETURN_VALUE":
+                return False
+        elif not path.endswith("torch/nn/modules/module.py"):
+            return False
+        frame = frame.f_back
+    return False
+
+
 def _check_one_device(gm: fx.GraphModule, example_inputs) -> None:
     """Inputs on another device than the parameters; some ops (an embedding lookup) trace anyway."""
     by_device: dict[str, list[str]] = {}
@@ -149,7 +182,7 @@ def bucketing(gm: fx.GraphModule) -> dict:
     reduce_mib = functools.partial(_constant, reduce_scatter_bucket_mib(gm))
     return {"bucket_all_reduces_fx": "all", "bucket_reduce_scatters_fx": "all",
             "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_mib,
-            "post_grad_custom_post_pass": bucket_and_prefetch_zero_gathers()}
+            "post_grad_custom_post_pass": BucketZeroGathers()}
 
 
 def reduce_scatter_bucket_mib(gm: fx.GraphModule) -> float:

@@ -23,7 +23,7 @@ rank, reads it gathered, and hands it to the next graph, which takes the rank's 
 and runs on it, with attention or without (``PassContext.lazy_inputs``).
 
 A ``DTensor`` keeps DTensor's semantics, not eager's (docs/how-it-works.md, "Outputs"), so it is an
-option, for outputs that go straight to the ``torch.compile`` caller (``compat.returns_to_compile_caller``);
+option, for outputs that go straight to the ``torch.compile`` caller (``backend.returns_to_compile_caller``);
 a value crossing a graph break is then gathered inside the graph, as are outputs the caller could not be
 given: a DTensor's ``Shard`` holds ``torch.chunk``'s blocks and no placement describes merged dims
 (``[B*S, V]``), and a lazy output of a graph compiled for every length needs P to divide the length to

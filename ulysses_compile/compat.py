@@ -7,7 +7,19 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext
+from torch._dynamo.utils import orig_code_map
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.fx_passes.bucketing import (
+    bucket_all_gather_by_mb,
+    bucket_all_reduce_by_mb,
+    bucket_cap_mb_by_bucket_idx_default,
+    bucket_reduce_scatter_by_mb,
+    is_all_gather_into_tensor,
+    is_wait_tensor,
+    merge_all_gather,
+)
+from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
@@ -18,6 +30,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
@@ -45,7 +58,6 @@ __all__ = [
     "list_mode_options",
     "dynamo_counters",
     "register_fake_backend",
-    "returns_to_compile_caller",
     "graph_break_reason",
     "first_line",
     "CHECKPOINTED_SIDE_EFFECTS",
@@ -65,12 +77,19 @@ __all__ = [
     "symbolic_expr",
     "symbolic_hint",
     "tag_recompute",
-    "tag_zero_gather",
-    "bucket_and_prefetch_zero_gathers",
-    "zero_gather_buckets",
-    "inductor_buckets",
     "live_bytes_peak",
-    "zero_unit",
+    "CustomGraphPass",
+    "OrderedSet",
+    "bucket_all_gather_by_mb",
+    "bucket_all_reduce_by_mb",
+    "bucket_cap_mb_by_bucket_idx_default",
+    "bucket_reduce_scatter_by_mb",
+    "get_hash_for_files",
+    "is_all_gather_into_tensor",
+    "is_wait_tensor",
+    "merge_all_gather",
+    "preserve_node_ordering",
+    "orig_code_map",
     "aliases_first_input",
     "min_cut_rematerialization_partition",
     "no_graph_cse",
@@ -85,11 +104,8 @@ __all__ = [
 ]
 
 import functools  # noqa: E402
-import itertools  # noqa: E402
 
 import torch  # noqa: E402
-
-from .graph_walk import ancestors  # noqa: E402
 
 c10d_functional = torch.ops._c10d_functional
 disabled_torch_function = torch._C._disabled_torch_function_impl
@@ -212,99 +228,6 @@ def tag_recompute(node, policy, region: int) -> None:
     node.meta.update(recompute=policy, ac_graph_id=region)
 
 
-ZERO_GATHER = "ulysses_zero_gather"
-
-
-def tag_zero_gather(node, unit: str) -> None:
-    """Mark a node as ZeRO's gather of a parameter of ``unit`` (a layer); AOTAutograd copies
-    ``meta["custom"]`` to every node it traces from it, so Inductor's post-grad graph still tells the
-    parameter's all-gather apart, and whose it is."""
-    node.meta["custom"] = {**node.meta.get("custom", {}), ZERO_GATHER: unit}
-
-
-def zero_unit(node) -> str | None:
-    """The unit ``tag_zero_gather`` gave a node, None if it is not ZeRO's gather."""
-    return node.meta.get("custom", {}).get(ZERO_GATHER)
-
-
-def zero_gather_buckets(graph) -> list[list]:
-    """The all-gathers of each unit's parameters (``tag_zero_gather``) that follow one another among
-    ZeRO's gathers, each run of two or more a bucket to merge into one. torch's bucketing finds the runs
-    it may merge (same group and dtype, none depending on another), given a filter by the tag and no
-    size cap; each run is then cut where the unit changes. (torch's own "only_fsdp" filter is
-    structural, and could classify a gather differently on ranks whose graphs differ; the tag is the
-    same on every rank.)"""
-    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb
-
-    runs = bucket_all_gather_by_mb(graph.owning_module, lambda index: float(2**40),
-                                   filter_wait_node=lambda wait: zero_unit(wait.args[0]) is not None)
-    return [bucket for run in runs for _, same_unit in itertools.groupby(run, key=zero_unit)
-            if len(bucket := list(same_unit)) > 1]
-
-
-def inductor_buckets(gm, reduce_scatter_mib: float) -> list[list]:
-    """The collectives of an AOTAutograd program that Inductor merges under ``backend.bucketing``'s
-    settings, each bucket a list of two or more: ZeRO's all-gathers one per unit
-    (``zero_gather_buckets``), reduce-scatters up to ``reduce_scatter_mib``, all-reduces up to torch's
-    default cap. Read, not applied."""
-    from torch._inductor.fx_passes.bucketing import (
-        bucket_all_reduce_by_mb,
-        bucket_cap_mb_by_bucket_idx_default,
-        bucket_reduce_scatter_by_mb,
-    )
-
-    return [*zero_gather_buckets(gm.graph), *bucket_reduce_scatter_by_mb(gm, lambda index: reduce_scatter_mib),
-            *bucket_all_reduce_by_mb(gm, bucket_cap_mb_by_bucket_idx_default)]
-
-
-def _prefetch_zero_gathers(graph) -> None:
-    """Issue each ZeRO all-gather (a unit's bucket, in graph order) before the previous one's wait, so
-    the parameters of the next layer arrive while this one computes, as FSDP prefetches one module ahead
-    (at stage 3, two units' parameters are then whole at once in graph order). The start moves with
-    what it reads after that wait (the shard's cast and copy into the bucket); control dependencies
-    (torch's ``preserve_node_ordering``) pin start i < start i+1 < wait i, so Inductor's memory-driven
-    reordering cannot undo the prefetch and every rank issues the gathers in the same order among
-    themselves. (Their order against other collectives is graph order only as far as Inductor keeps it:
-    the reduce-scatters and all-reduces are bucketed after this pass, and pinning them here would stop
-    that.)"""
-    from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-    from torch.utils._ordered_set import OrderedSet
-
-    starts = [node for node in graph.nodes if is_all_gather_into_tensor(node) and zero_unit(node) is not None]
-    order = {}
-    for start, following in zip(starts, starts[1:]):
-        wait = next((user for user in start.users if is_wait_tensor(user)), None)
-        reads = ancestors([following])
-        if wait is None or wait in reads:
-            continue
-        position = {node: index for index, node in enumerate(graph.nodes)}
-        for node in sorted((node for node in reads if position[node] > position[wait]), key=position.get):
-            wait.prepend(node)
-        order.setdefault(wait, OrderedSet()).add(following)
-        order.setdefault(following, OrderedSet()).add(start)
-    preserve_node_ordering(graph, order)
-
-
-def bucket_and_prefetch_zero_gathers():
-    """The Inductor post-grad pass that buckets (``zero_gather_buckets``) and prefetches
-    (``_prefetch_zero_gathers``) ZeRO's parameter all-gathers (``post_grad_custom_post_pass``)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class BucketAndPrefetchZeroGathers(CustomGraphPass):
-        def __call__(self, graph) -> None:
-            from torch._inductor.fx_passes.bucketing import merge_all_gather
-
-            if buckets := zero_gather_buckets(graph):
-                merge_all_gather(graph.owning_module, buckets)
-            _prefetch_zero_gathers(graph)
-
-        def uuid(self):
-            return get_hash_for_files((__file__,))
-
-    return BucketAndPrefetchZeroGathers()
-
-
 def copy_recompute_tag(source, target) -> None:
     """Give ``target`` the checkpointing tag ``source`` has, if any."""
     if "ac_graph_id" in source.meta:
@@ -403,43 +326,6 @@ def honour_backend_contexts() -> None:
 
     get_compiler_fn.forwards_backend_context = True
     eval_frame.get_compiler_fn = get_compiler_fn
-
-
-def returns_to_compile_caller(gm) -> bool:
-    """Whether the graph being compiled hands its outputs straight to the code that called the
-    ``torch.compile``-d function or module, and nothing else, compiled or eager, reads them first.
-
-    Dynamo compiles a graph at a frame's return or at a graph break (``compile_subgraph_reason``). At a
-    return, the frame's callers are walked from Dynamo's frame callback up: ``nn.Module`` call machinery
-    and Dynamo-transformed frames that return the call's result at once pass it on; reaching
-    ``torch.compile``'s entry (``eval_frame.py``) means the caller is the user's. Anything else (eager
-    code between graphs, a transformed frame that continues after the call) reads it first."""
-    import dis
-    import sys
-
-    from torch._dynamo.utils import orig_code_map
-
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is not None and reason.graph_break:
-        return False
-    frame, caller = sys._getframe(1), None
-    while frame is not None:  # the caller of the frame being compiled: above Dynamo's outermost callback frame
-        if frame.f_code.co_filename.endswith("torch/_dynamo/convert_frame.py"):
-            caller = frame.f_back
-        frame = frame.f_back
-    frame = caller
-    while frame is not None:
-        code, path = frame.f_code, frame.f_code.co_filename
-        if path.endswith("torch/_dynamo/eval_frame.py"):
-            return True
-        if code in orig_code_map:
-            after = [i for i in dis.get_instructions(code) if i.offset > frame.f_lasti and i.opname != "CACHE"]
-            if not after or after[0].opname != "RETURN_VALUE":
-                return False
-        elif not path.endswith("torch/nn/modules/module.py"):
-            return False
-        frame = frame.f_back
-    return False
 
 
 def buffer_slots(module: torch.nn.Module) -> dict:

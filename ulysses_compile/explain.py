@@ -39,7 +39,6 @@ from .compat import (
     buffer_slots,
     c10d_functional,
     dynamo_counters,
-    inductor_buckets,
     make_boxed_func,
     parameter_slots,
     register_fake_backend,
@@ -49,6 +48,7 @@ from .compat import (
 )
 from .errors import UlyssesError
 from .memory import GraphMemory, StepMemory
+from .passes.bucket_zero_gathers import inductor_buckets
 from .options import Options
 from .report import CollectiveCall, Report, SiteReport, module_path
 from .sharding import block_sizes, sharding_of
