@@ -88,3 +88,19 @@ def test_compat_only_reexports_and_shims():
                               if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)))
                for node in tree.body if isinstance(node, ast.FunctionDef)}
     assert max(longest.values()) <= 13, sorted(longest.items(), key=lambda item: -item[1])[:3]
+
+
+def test_an_op_registered_twice_is_an_error_at_import():
+    """Two sharding rules for one op would leave import order to pick one: ``register`` refuses the
+    second (the package imports, so no op of it has two)."""
+    from ulysses_compile.errors import InternalError
+    from ulysses_compile.passes.rules import register, rule_for
+
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    node = graph.call_method("sin", (graph.placeholder("x"),))
+    before = rule_for(node)
+    with pytest.raises(InternalError, match="'sin' has two sharding rules, pointwise and .*register it once"):
+        register("sin")(lambda node, view: None)
+    assert rule_for(node) is before

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.compat import copy_recompute_tag, op_name
+from ulysses_compile.errors import InternalError
 from ulysses_compile.sharding import REPLICATE, OutputPlacement, Placement, seq_factors
 
 Rule = Callable[[fx.Node, "RuleView"], "Decision | None"]
@@ -39,8 +40,12 @@ def register(*targets, permuted: bool = False) -> Callable[[Rule], Rule]:
     registers the rule for nodes that read rows in a rank's own order."""
 
     def wrap(fn: Rule) -> Rule:
+        table = _PERMUTED_RULES if permuted else _RULES
         for target in targets:
-            (_PERMUTED_RULES if permuted else _RULES)[target] = fn
+            if target in table and table[target] is not fn:
+                raise InternalError(f"{getattr(target, '__name__', target)!r} has two sharding rules, "
+                                    f"{table[target].__qualname__} and {fn.__qualname__}: register it once")
+            table[target] = fn
         return fn
 
     return wrap

@@ -57,7 +57,10 @@ METHODS = (
 )
 
 
-@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *METHODS)
+CAST_LIKE = ("type_as", "to")  # a cast whose second argument may be a tensor read only for its dtype
+
+
+@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *(method for method in METHODS if method not in CAST_LIKE))
 def pointwise(node, view):
     written = mutated_arg(node)
     # Dynamo records no value for an in-place op whose result is unused (``x.requires_grad_()``)
@@ -92,7 +95,7 @@ def pointwise(node, view):
     return Decision(seq_shard(out_dim, outer, inner), demands)
 
 
-@register("type_as", "to")
+@register(*CAST_LIKE)
 def cast_like_rule(node, view):
     """``x.type_as(y)`` / ``x.to(y)`` read only y's dtype and device: x keeps its placement and y stays
     where it is."""
