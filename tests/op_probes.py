@@ -243,6 +243,10 @@ def _roll_shift(h):
     return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
 
 
+def _normalized(h):
+    return F.normalize(h, dim=-1) + (h[..., :1] * 0.5).expand_as(h)  # a norm's and a column's expand_as
+
+
 def _causal_conv1d(h):
     kernel = torch.linspace(-1, 1, 3 * DIM).view(DIM, 1, 3)  # depthwise, over the sequence, left-padded
     return F.conv1d(F.pad(h.transpose(1, 2), (2, 0)), kernel, groups=DIM).transpose(1, 2)
@@ -395,6 +399,7 @@ PROBES = {
     "complex_rotary": lambda: Probe(nn.Identity(), attention=ComplexRotaryAttention),
     "attention_sinks": lambda: Probe(nn.Identity(), attention=SinkAttention),
     "roll_shift": lambda: Probe(_roll_shift),
+    "normalize_expand_as": lambda: Probe(_normalized),
     "causal_conv1d": lambda: Probe(_causal_conv1d),
     "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),
     "gather_reversed_positions": lambda: Probe(_gather_reversed_positions),

@@ -292,6 +292,14 @@ def test_type_as_leaves_the_tensor_it_reads_the_dtype_of_where_it_is():
 # reductions.py
 
 
+def test_normalize_along_the_features_keeps_the_block_and_along_the_sequence_refuses():
+    node, (x,) = build(F.normalize, empty(B, S, H), dim=-1)
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs == {x: Shard(1)}
+    node, (x,) = build(F.normalize, empty(B, S, H))  # dim=1 by default: the sequence here
+    assert decide(node, {x: Shard(1)}) is None
+
+
 @pytest.mark.parametrize("target, kwargs, output", [
     ("sum", {"dim": -1}, Shard(1)), ("mean", {"dim": 0}, Shard(0)), ("mean", {"dim": 0, "keepdim": True}, Shard(1)),
     ("amax", {"dim": (0, 2)}, Shard(0)), (torch.std, {"dim": 2}, Shard(1)), ("norm", {"dim": -1}, Shard(1)),
@@ -583,6 +591,21 @@ def test_repeats_and_expands_place_the_rank_block_in_each_copy(target, shape, ar
     placement = Shard(len(shape) - 2)
     decision = decide(node, {x: placement})
     assert decision.output == output and decision.inputs == {x: placement}
+
+
+def test_expand_as_reads_only_the_other_tensors_shape():
+    """``F.normalize``'s ``norm.clamp_min(eps).expand_as(x)``: the norm sharded with ``x`` expands to the
+    block; a replicated ``[1, 1, H]`` broadcast along the sequence ``x`` holds sharded expands to the
+    block too; a replicated operand whose sequence is whole cannot become a block this way."""
+    node, (norm, x) = build("expand_as", empty(B, S, 1), empty(B, S, H))
+    decision = decide(node, {norm: Shard(1), x: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs == {norm: Shard(1), x: Shard(1)}
+    assert decision.localize is not None
+    node, (scale, x) = build("expand_as", empty(1, 1, H), empty(B, S, H))
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs == {scale: REPLICATE, x: Shard(1)}
+    node, (whole, x) = build("expand_as", empty(1, S, H), empty(B, S, H))
+    assert decide(node, {x: Shard(1)}) is None
 
 
 def test_setitem_with_the_sequence_left_whole_writes_each_ranks_block():

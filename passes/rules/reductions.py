@@ -86,16 +86,17 @@ register("var", torch.var, "std", torch.std)(
 register("norm", torch.norm)(_reduction(partial_ok=False, scale=False, params=("input", "p", "dim", "keepdim")))
 
 
-def _along_dim(scan: bool = False):
-    """Ops along one dim (softmax, cumsum): local unless that dim is the sequence, where only a sum scan
-    stays sharded, as ``PartialScan``: each rank's block lacks the totals of the blocks before it."""
+def _along_dim(scan: bool = False, params: tuple[str, ...] = ("input", "dim"), default_dim: int | None = None):
+    """Ops along one dim (softmax, cumsum, normalize): local unless that dim is the sequence, where only
+    a sum scan stays sharded, as ``PartialScan``: each rank's block lacks the totals of the blocks before
+    it."""
 
     def rule(node, view):
         source = node.args[0] if node.args else node.kwargs["input"]
         factors = view.sharded(source)
         if factors is None:
             return None
-        dim = method_or_function_args(node, ("input", "dim")).get("dim")
+        dim = method_or_function_args(node, params, {"dim": default_dim}).get("dim")
         placement = view.placement(source)
         if dim is None:
             return None
@@ -111,6 +112,7 @@ def _along_dim(scan: bool = False):
 register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumprod",
          torch.cumprod)(_along_dim())
 register("cumsum", torch.cumsum)(_along_dim(scan=True))
+register(F.normalize)(_along_dim(params=("input", "p", "dim", "eps"), default_dim=1))
 
 
 def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):

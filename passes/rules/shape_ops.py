@@ -112,6 +112,27 @@ def expand_rule(node, view):
                     _localize_shape("expand"))
 
 
+@register("expand_as")
+def expand_as_rule(node, view):
+    """``x.expand_as(other)`` reads only ``other``'s shape (``F.normalize``'s denominator): as ``expand``
+    of a sharded ``x``, or of an ``x`` broadcast (size 1) along the dim ``other`` holds sharded; either
+    way the local ``expand`` to the block's shape, ``other`` left where it is."""
+    source, other = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if not isinstance(other, fx.Node):
+        return None
+    kept = {other: view.actual_placement(other)}
+    if view.sharded(source) is not None:
+        decision = expand_rule(node, view)
+        return None if decision is None else Decision(decision.output, {**decision.inputs, **kept}, decision.localize)
+    factors = view.sharded(other)
+    if factors is None or view.placement(source) != REPLICATE:
+        return None
+    dim = factors[0] - (view.value(other).dim() - view.value(source).dim())
+    if dim >= 0 and view.value(source).shape[dim] != 1:
+        return None
+    return Decision(view.placement(other), {source: REPLICATE, **kept}, _localize_shape("expand"))
+
+
 def _global_size(node: fx.Node, sharding, ctx) -> None:
     """``x.size()`` / ``x.size(d)`` of a sharded ``x`` (Dynamo records them when sizes are symbolic):
     the program asked for the global size, so compute it from the graph's size inputs instead."""
