@@ -292,6 +292,14 @@ def test_type_as_leaves_the_tensor_it_reads_the_dtype_of_where_it_is():
 # reductions.py
 
 
+def test_count_nonzero_over_the_sequence_is_the_ranks_partial_count():
+    node, (x,) = build(torch.count_nonzero, empty(B, S, H), dim=1)
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == PARTIAL and decision.inputs == {x: Shard(1)}
+    node, (x,) = build(torch.count_nonzero, empty(B, S, H), dim=2)
+    assert decide(node, {x: Shard(1)}).output == Shard(1)
+
+
 def test_normalize_along_the_features_keeps_the_block_and_along_the_sequence_refuses():
     node, (x,) = build(F.normalize, empty(B, S, H), dim=-1)
     decision = decide(node, {x: Shard(1)})

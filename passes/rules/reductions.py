@@ -78,8 +78,9 @@ register("mean", torch.mean)(_reduction(partial_ok=True, scale=True, params=MEAN
 register(
     "amax", torch.amax, "amin", torch.amin, "max", torch.max, "min", torch.min, "prod", torch.prod,
     "logsumexp", torch.logsumexp, "all", torch.all, "any", torch.any, "argmax", torch.argmax, "argmin",
-    torch.argmin, "count_nonzero", torch.count_nonzero,
+    torch.argmin,
 )(_reduction(partial_ok=False, scale=False))
+register("count_nonzero", torch.count_nonzero)(_reduction(partial_ok=True, scale=False, params=("input", "dim")))
 register("var", torch.var, "std", torch.std)(
     _reduction(partial_ok=False, scale=False, params=("input", "dim", "unbiased", "keepdim"))
 )
