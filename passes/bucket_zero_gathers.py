@@ -37,6 +37,7 @@ from ulysses_compile.compat import (
     merge_all_gather,
     preserve_node_ordering,
 )
+from ulysses_compile import graph_walk
 from ulysses_compile.graph_walk import ancestors
 
 ZERO_GATHER = "ulysses_zero_gather"
@@ -63,7 +64,7 @@ class BucketZeroGathers(CustomGraphPass):
         _prefetch_zero_gathers(graph)
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, graph_walk.__file__))
 
 
 def zero_gather_buckets(graph) -> list[list]:

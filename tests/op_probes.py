@@ -251,6 +251,10 @@ def _positive_share(h):
     return h * torch.count_nonzero(h > 0, dim=1).unsqueeze(1) / h.shape[1]  # a count over the tokens
 
 
+def _scaled_features(h):
+    return h * torch.linspace(0.5, 1.5, DIM).view(1, 1, DIM).expand_as(h)  # a replicated row, broadcast
+
+
 def _causal_conv1d(h):
     kernel = torch.linspace(-1, 1, 3 * DIM).view(DIM, 1, 3)  # depthwise, over the sequence, left-padded
     return F.conv1d(F.pad(h.transpose(1, 2), (2, 0)), kernel, groups=DIM).transpose(1, 2)
@@ -405,6 +409,7 @@ PROBES = {
     "roll_shift": lambda: Probe(_roll_shift),
     "normalize_expand_as": lambda: Probe(_normalized),
     "count_nonzero_over_tokens": lambda: Probe(_positive_share),
+    "scale_expand_as": lambda: Probe(_scaled_features),
     "causal_conv1d": lambda: Probe(_causal_conv1d),
     "mean_and_max_pool": lambda: Probe(_mean_and_max_pool),
     "gather_reversed_positions": lambda: Probe(_gather_reversed_positions),

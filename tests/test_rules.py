@@ -301,11 +301,14 @@ def test_count_nonzero_over_the_sequence_is_the_ranks_partial_count():
 
 
 def test_normalize_along_the_features_keeps_the_block_and_along_the_sequence_refuses():
-    node, (x,) = build(F.normalize, empty(B, S, H), dim=-1)
-    decision = decide(node, {x: Shard(1)})
-    assert decision.output == Shard(1) and decision.inputs == {x: Shard(1)}
+    for args, kwargs in (((), {"dim": -1}), ((2.0, -1), {})):  # p and dim by keyword or position
+        node, (x,) = build(F.normalize, empty(B, S, H), *args, **kwargs)
+        decision = decide(node, {x: Shard(1)})
+        assert decision.output == Shard(1) and decision.inputs == {x: Shard(1)}
     node, (x,) = build(F.normalize, empty(B, S, H))  # dim=1 by default: the sequence here
     assert decide(node, {x: Shard(1)}) is None
+    node, (x,) = build(F.normalize, empty(B, H, S))  # dim=1 by default: the features here
+    assert decide(node, {x: Shard(2)}).output == Shard(2)
 
 
 @pytest.mark.parametrize("target, kwargs, output", [
@@ -622,3 +625,17 @@ def test_setitem_with_the_sequence_left_whole_writes_each_ranks_block():
     assert decision.output == Shard(1) and decision.inputs == {x: Shard(1), value: Shard(1)}
     node, (x, value) = build(operator.setitem, torch.zeros(B, S, H), (slice(None), 0), torch.ones(H))
     assert decide(node, {x: Shard(1)}) is None
+
+
+@pytest.mark.parametrize("name", ["normalize_expand_as", "scale_expand_as", "count_nonzero_over_tokens"])
+def test_a_model_around_these_rules_gathers_nothing(fake_group, name):
+    """The op probes of the rules added last, as a model holds them: nothing gathered (their exactness
+    against eager: the op probes at P = 2, slow tier)."""
+    from graphs import rewritten_graphs
+    from op_probes import PROBES
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(PROBES[name](), (torch.randint(0, 32, (2, 15)),))
+    report = gm.meta["ulysses_report"]
+    assert report.fallbacks == [] and not report.replicated, str(report)
+    assert not [c for c in report.collectives if c.kind.startswith("gather")], report.collectives

@@ -288,7 +288,8 @@ def test_regionally_compiled_layers_pass_each_other_their_blocks_equal_to_eager(
 def test_the_compile_caller_is_told_from_code_that_reads_the_outputs_first():
     """``backend.returns_to_compile_caller``: a graph that ends at a return hands its outputs to the
     caller of the compiled function (or module); one that ends at a graph break hands them to the code
-    after the break, and the graph of that code, resumed, returns to the caller again."""
+    after the break, and the graph of that code, resumed, returns to the caller again, unless the
+    compiled function's own code continues after it."""
     from ulysses_compile.backend import returns_to_compile_caller
 
     seen = []
@@ -305,8 +306,15 @@ def test_the_compile_caller_is_told_from_code_that_reads_the_outputs_first():
         torch._dynamo.graph_break()
         return y + 1
 
+    def calls_broken(x):
+        return broken(x) * 5
+
     torch.compiler.reset()
     torch.compile(returned, backend=backend)(torch.ones(2))
     torch.compile(broken, backend=backend)(torch.ones(2))
     torch.compile(torch.nn.Linear(2, 2), backend=backend)(torch.ones(2))
     assert seen == [True, False, True, True]
+    torch.compiler.reset()
+    seen.clear()
+    torch.compile(calls_broken, backend=backend)(torch.ones(2))
+    assert seen == [False, False, True]  # the code after the break returns into the caller's ``* 5``

@@ -51,7 +51,7 @@ from ulysses_compile.sharding import (
 from ulysses_compile.sizes import same_size, size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
-from .pointwise import BINARY_FUNCTIONS, METHODS, UNARY_FUNCTIONS
+from .pointwise import BINARY_FUNCTIONS, CAST_LIKE, METHODS, UNARY_FUNCTIONS
 from .reductions import SUM_PARAMS, _keepdim, _reduced_dims
 from .shape_ops import (
     SPLITS,
@@ -225,7 +225,8 @@ def _permuted_like(view, node, args) -> Decision | None:
     return Decision(target, demands)
 
 
-@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *METHODS, *LIKE, permuted=True)
+@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *(method for method in METHODS if method not in CAST_LIKE), *LIKE,
+          permuted=True)
 def permuted_pointwise_rule(node, view):
     if node.target in (operator.floordiv, torch.floor_divide, "floor_divide") or node.target in ("div", torch.div) \
             and node.kwargs.get("rounding_mode") in ("floor", "trunc"):
@@ -233,6 +234,18 @@ def permuted_pointwise_rule(node, view):
     if node.target in LIKE:
         return _like_permuted(node, view)
     return _permuted_like(view, node, view.tensor_args(node))
+
+
+@register(*CAST_LIKE, permuted=True)
+def permuted_cast_like_rule(node, view):
+    """``x.type_as(y)`` / ``x.to(y)`` with rows in a rank's order on either side: only y's dtype and
+    device are read, so x keeps its placement and y stays where it is."""
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if not isinstance(other, fx.Node) or not isinstance(view.value(other), torch.Tensor):
+        return permuted_pointwise_rule(node, view)
+    source = node.args[0]
+    placement = view.placement(source)
+    return Decision(placement, {other: view.actual_placement(other), source: placement})
 
 
 def _positions_divided(node, view) -> Decision | None:
@@ -345,6 +358,16 @@ def permuted_expand_rule(node, view):
     if not isinstance(rows, PermutedShard) or value.dim() != out.dim() or value.shape[rows.dim] != out.shape[rows.dim]:
         return None
     return Decision(placement, {source: placement}, _localize_shape("expand"))
+
+
+@register("expand_as", permuted=True)
+def permuted_expand_as_rule(node, view):
+    """``rows.expand_as(other)``: as ``expand``, ``other`` read only for its shape."""
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    decision = permuted_expand_rule(node, view)
+    if decision is None or not isinstance(other, fx.Node):
+        return None
+    return Decision(decision.output, {other: view.actual_placement(other), **decision.inputs}, decision.localize)
 
 
 @register(*VIEWS, permuted=True)

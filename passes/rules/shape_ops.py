@@ -123,7 +123,7 @@ def expand_as_rule(node, view):
     kept = {other: view.actual_placement(other)}
     if view.sharded(source) is not None:
         decision = expand_rule(node, view)
-        return None if decision is None else Decision(decision.output, {**decision.inputs, **kept}, decision.localize)
+        return None if decision is None else Decision(decision.output, {**kept, **decision.inputs}, decision.localize)
     factors = view.sharded(other)
     if factors is None or view.placement(source) != REPLICATE:
         return None
