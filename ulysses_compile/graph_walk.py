@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch.fx as fx
 
 
 def ancestors(nodes) -> set[fx.Node]:
     """``nodes`` and every node they are computed from, graph inputs included."""
+    return _closure(nodes, lambda node: node.all_input_nodes)
+
+
+def descendants(nodes) -> set[fx.Node]:
+    """``nodes`` and every node computed from them."""
+    return _closure(nodes, lambda node: node.users)
+
+
+def _closure(nodes, neighbours: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
     pending = list(nodes)
     seen: set[fx.Node] = set()
     while pending:
@@ -14,5 +25,5 @@ def ancestors(nodes) -> set[fx.Node]:
         if node in seen:
             continue
         seen.add(node)
-        pending.extend(node.all_input_nodes)
+        pending.extend(neighbours(node))
     return seen

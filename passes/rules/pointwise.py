@@ -97,11 +97,15 @@ def pointwise(node, view):
 
 @register(*CAST_LIKE)
 def cast_like_rule(node, view):
+    return cast_like(node, view, pointwise)
+
+
+def cast_like(node, view, elementwise):
     """``x.type_as(y)`` / ``x.to(y)`` read only y's dtype and device: x keeps its placement and y stays
-    where it is."""
+    where it is; a cast to a dtype (``x.to(torch.float32)``) is ``elementwise``'s."""
     other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     if not isinstance(other, fx.Node) or not isinstance(view.value(other), torch.Tensor):
-        return pointwise(node, view)
+        return elementwise(node, view)
     source = node.args[0]
     placement = view.placement(source)
     return Decision(placement, {source: placement, other: view.actual_placement(other)})

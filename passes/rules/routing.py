@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.graph_walk import descendants
 from ulysses_compile.sharding import (
     PARTIAL,
     REPLICATE,
@@ -51,7 +52,7 @@ from ulysses_compile.sharding import (
 from ulysses_compile.sizes import same_size, size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
-from .pointwise import BINARY_FUNCTIONS, CAST_LIKE, METHODS, UNARY_FUNCTIONS
+from .pointwise import BINARY_FUNCTIONS, CAST_LIKE, METHODS, UNARY_FUNCTIONS, cast_like
 from .reductions import SUM_PARAMS, _keepdim, _reduced_dims
 from .shape_ops import (
     SPLITS,
@@ -240,12 +241,7 @@ def permuted_pointwise_rule(node, view):
 def permuted_cast_like_rule(node, view):
     """``x.type_as(y)`` / ``x.to(y)`` with rows in a rank's order on either side: only y's dtype and
     device are read, so x keeps its placement and y stays where it is."""
-    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
-    if not isinstance(other, fx.Node) or not isinstance(view.value(other), torch.Tensor):
-        return permuted_pointwise_rule(node, view)
-    source = node.args[0]
-    placement = view.placement(source)
-    return Decision(placement, {other: view.actual_placement(other), source: placement})
+    return cast_like(node, view, permuted_pointwise_rule)
 
 
 def _positions_divided(node, view) -> Decision | None:
@@ -526,32 +522,18 @@ def _drop_unread(reads) -> None:
         node = pending.pop()
         if node in erased or not _is_read(node):
             continue
-        readers = _all_users(node)
+        readers = descendants([node]) - {node}
         if not all(_is_check(reader) for reader in readers) or any(
                 not reader.users and reader.target not in _ASSERTIONS for reader in readers):
             continue
         inputs = node.all_input_nodes
-        for reader in sorted(readers, key=_position, reverse=True):
+        for reader in [candidate for candidate in reversed(node.graph.nodes) if candidate in readers]:
             if reader not in erased:
                 erased.add(reader)
                 reader.graph.erase_node(reader)
         erased.add(node)
         node.graph.erase_node(node)
         pending += [arg for arg in inputs if arg not in erased]
-
-
-def _all_users(node: fx.Node) -> set[fx.Node]:
-    found, pending = set(), list(node.users)
-    while pending:
-        user = pending.pop()
-        if user not in found:
-            found.add(user)
-            pending += list(user.users)
-    return found
-
-
-def _position(node: fx.Node) -> int:
-    return next(index for index, candidate in enumerate(node.graph.nodes) if candidate is node)
 
 
 def _is_read(node: fx.Node) -> bool:
@@ -625,8 +607,7 @@ _CASTS = ("float", "int", "long", "double", "to", "type")
 def _is_sorted_values(node: fx.Node, order: str) -> bool:
     """Whether ``node`` is the values output of the sort ``order`` (through casts): what grouped offsets
     count, so that the counts describe the rows in that order."""
-    while node.op == "call_method" and node.target in _CASTS:
-        node = node.args[0]
+    node = _uncast(node)
     return node.target is operator.getitem and node.args[1] == 0 and node.args[0].name == order
 
 
