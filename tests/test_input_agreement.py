@@ -356,6 +356,7 @@ def attention_dropout_per_head(rank, world_size, compiler, seeds):
     torch.compile(nanogpt_model, backend=reporting_backend(reports, compiler=compiler))(ids, **kwargs)[1].backward()
     assert [len(r.attention_sites) for r in reports] == [nanogpt_model.config.n_layer], [str(r) for r in reports]
     assert not reports[0].replicated and not reports[0].replicated_draws, str(reports[0])
+    assert [c.kind for c in reports[0].collectives].count("heads_to_seq") == nanogpt_model.config.n_layer
 
 
 @pytest.mark.multirank

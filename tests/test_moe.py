@@ -173,6 +173,12 @@ def test_explain_shows_moe_blocks_on_the_ranks_tokens(name):
     assert any(c.purpose == "sync_grad" and c.where.endswith("mlp.experts") for c in report.collectives), str(report)
 
 
+def _all_to_alls(report) -> list[int]:
+    """A graph's all-to-alls to heads (q, k and v in one) and back."""
+    kinds = [c.kind for c in report.collectives]
+    return [kinds.count("seq_to_heads_qkv"), kinds.count("heads_to_seq")]
+
+
 def split_dispatch_trains_like_eager(rank, world_size):
     """torchtitan's loop over experts: the token counts read with ``.tolist()``, the sorted rows
     ``torch.split`` by them. Dynamo captures the counts as unbacked ints (the backend's tracing
@@ -214,6 +220,7 @@ def split_dispatch_trains_like_eager(rank, world_size):
     assert any(first != second for first, second in zip(everyone[0][1], everyone[1][1])), everyone
     (report,) = reports
     assert len(report.attention_sites) == model.config.n_layer and not report.replicated, str(report)
+    assert _all_to_alls(report) == [model.config.n_layer] * 2, report.collectives
     assert report.fallbacks == [] and not report.gathered_outputs, str(report)
     assert not any(c.kind.startswith("gather") for c in report.collectives), report.collectives
     for name, parameter in model.named_parameters():
@@ -235,6 +242,8 @@ def test_explain_lists_every_layer_of_an_moe_reading_its_counts():
     report = explain(model, ids, world_size=2, **kwargs)
     assert len(report.graphs) == 1 and len(report.attention_sites) == model.config.n_layer, str(report)
     assert not report.graphs[0].replicated and report.graphs[0].fallbacks == [], str(report)
+    to_heads = [c for c in report.collectives if c.phase == "forward" and c.kind == "all_to_all"]
+    assert len(to_heads) == 2 * model.config.n_layer, report.collectives  # q, k, v to heads and back, per layer
 
 
 class SplitSpellings(moe_gpt.MoE):
@@ -281,6 +290,7 @@ def split_spellings_equal_eager(rank, world_size, spellings):
         compare_model(rank, model, reference, {f"{spelling} loss": (loss, want)})
         (report,) = reports
         assert len(report.attention_sites) == model.config.n_layer and not report.replicated, str(report)
+        assert _all_to_alls(report) == [model.config.n_layer] * 2, report.collectives
         whole_sorts = [fallback for fallback in report.fallbacks if fallback.op == "argsort"]
         assert len(whole_sorts) == (0 if spelling == "keyword" else model.config.n_layer), (spelling, str(report))
 
