@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ulysses_compile.compat import recompute_region
 from ulysses_compile.errors import DivisibilityError, UnsupportedError
+from ulysses_compile.ops import CASTS, spellings
 from ulysses_compile.random_draws import value_at_compile
 from ulysses_compile.report import module_path
 from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
@@ -189,17 +189,13 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
     return Detection(sites, rejected)
 
 
-SOFTMAX = (F.softmax, torch.softmax, "softmax")
-MATMUL = (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm")
-SCORES = MATMUL + (torch.baddbmm, "baddbmm", torch.einsum)
-VALUES = MATMUL + (torch.einsum,)
+SOFTMAX = spellings("softmax")
+MATMUL = spellings("matmul", "bmm")
+SCORES = MATMUL + spellings("baddbmm", "einsum")
+VALUES = MATMUL + spellings("einsum")
 # Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, logit soft-capping (Gemma 2's
 # cap * tanh(scores / cap)), casts, dropout.
-BETWEEN = (
-    operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.masked_fill,
-    torch.tanh, "mul", "div", "add", "masked_fill", "tanh", "to", "float", "type", "type_as", "contiguous", F.dropout,
-    torch.dropout,
-)
+BETWEEN = (*spellings("mul", "div", "add", "sub", "masked_fill", "tanh", "contiguous", "dropout"), *CASTS)
 
 
 def _is(node, targets) -> bool:
@@ -310,8 +306,9 @@ def _probs_operand(node):
 
 
 def _transposed_last_dims(node):
-    """``k`` when ``node`` is ``k.transpose(-2, -1)`` (any spelling of the last two dims), else None."""
-    if not _is(node, ("transpose", torch.transpose)) or len(node.args) < 3:
+    """``k`` when ``node`` is ``k.transpose(-2, -1)`` (or ``swapaxes``; any spelling of the last two dims),
+    else None."""
+    if not _is(node, spellings("transpose", "swapaxes", "swapdims")) or len(node.args) < 3:
         return None
     source = node.args[0]
     ndim = _value(source).dim()

@@ -15,12 +15,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.ops import spellings
 from ulysses_compile.sharding import seq_factors
 
 from .rules import index_entries, method_or_function_args, normalize_dim
 from .rules.shape_ops import SPLITS, TRANSPOSES, UNBINDS, VIEWS, view_placement
 
-PRODUCTS = (F.linear, torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm")
+PRODUCTS = spellings("linear", "matmul", "bmm")
 
 
 def sequence_dims(sites, parameters) -> dict[fx.Node, int]:

@@ -40,16 +40,16 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ulysses_compile.compat import recompute_region
+from ulysses_compile.ops import spellings
 from ulysses_compile.runtime import tiled_gated_mlp
 from ulysses_compile.sharding import NodeSharding, Shard, place, sharding_of
 
 from .rules import insert_part
 
-_LINEARS = (torch._C._nn.linear, F.linear)
-_ACTIVATIONS = {F.silu: "silu", torch._C._nn.gelu: "gelu", F.gelu: "gelu"}
+_LINEARS = spellings("linear")
+_ACTIVATIONS = {function: name for name in ("silu", "gelu") for function in spellings(name)}
 
 
 def tile_mlp(gm: fx.GraphModule, ctx) -> list[str]:

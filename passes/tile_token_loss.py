@@ -48,13 +48,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.ops import spellings
 from ulysses_compile.runtime import token_loss_sum
 from ulysses_compile.sharding import NodeSharding, place, sharding_of
 
 from .rules import erase_unused, insert_part, method_or_function_args
 from .rules.losses import PARAMS
 
-_LINEARS = (torch._C._nn.linear, F.linear)
+_LINEARS = spellings("linear")
 _ROW_VIEWS = frozenset({"view", "reshape", "flatten", "contiguous"})
 
 

@@ -127,6 +127,18 @@ class AttentionWeightsReturned(nn.Module):
         return (probs @ v).transpose(1, 2).reshape(b, s, d), probs
 
 
+class OtherSpellings(_FusedQKV):
+    """Hand-written attention spelled with the less common names of its ops: ``torch.special.softmax``,
+    the key transposed with ``swapaxes``, the scale as ``torch.div`` and ``torch.matmul``."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = torch.div(torch.matmul(q, k.swapaxes(-1, -2)), math.sqrt(self.head_dim))
+        probs = torch.special.softmax(scores, dim=-1)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
 class ValueAfterScores(nn.Module):
     """Hand-written attention that projects the values only after the probabilities: v does not exist
     where q and k turn to heads, so each goes by its own all-to-all."""
@@ -261,6 +273,7 @@ FORMS = {
     "sdpa_gqa_bool_mask": _seeded(lambda: (MaskedSDPA(), (_features(), _padding()), {})),
     "sdpa_per_head_bias_6_heads": _seeded(lambda: (MaskedSDPA(dim=48, heads=6, kv_heads=6, per_head_bias=True),
                                                    (torch.randn(2, SEQ, 48), _padding()), {})),
+    "other_spellings": _seeded(lambda: (OtherSpellings(), (_features(),), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
     "value_after_scores": _seeded(lambda: (ValueAfterScores(), (_features(),), {})),
     "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),

@@ -30,6 +30,7 @@ EXPECTED = {
     "nn_transformer_cross_attention": ([SDPA] * 3, "one"),
     "sdpa_gqa_bool_mask": ([SDPA], "gathered"),
     "sdpa_per_head_bias_6_heads": ([SDPA], "one"),
+    "other_spellings": (["matmul_softmax"], "one"),
     "attention_weights_returned": (["matmul_softmax"], "one"),
     "value_after_scores": (["matmul_softmax"], "each"),
     "not_attention_softmax_over_queries": (["einsum_softmax"], "one"),

@@ -28,7 +28,6 @@ import functools
 import hashlib
 import logging
 import re
-import time
 
 import torch
 import torch.distributed as dist

@@ -44,6 +44,8 @@ __all__ = [
     "disabled_torch_function",
     "is_fake",
     "log_softmax_backward",
+    "native_nn_functions",
+    "aten_overloads",
     "autograd_inside_an_op",
     "make_wrapper_subclass",
     "c10d_functional",
@@ -110,6 +112,7 @@ import torch  # noqa: E402
 c10d_functional = torch.ops._c10d_functional
 disabled_torch_function = torch._C._disabled_torch_function_impl
 log_softmax_backward = torch.ops.aten._log_softmax_backward_data
+native_nn_functions = torch._C._nn  # where Dynamo records F.linear, F.gelu, ...
 
 
 def make_wrapper_subclass(cls, shape, like: torch.Tensor):
@@ -152,6 +155,15 @@ def op_name(node) -> str | None:
     if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
     return target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+
+
+def aten_overloads():
+    """``(name, [(tags, argument names) of each overload])`` for every ATen op."""
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            overloads = [getattr(packet, overload) for overload in packet.overloads()]
+            yield name, [(set(op.tags), [argument.name for argument in op._schema.arguments]) for op in overloads]
 
 
 def aliases_first_input(target) -> bool:

@@ -6,17 +6,16 @@ summed over ranks by ``sync_grad``, inserted by the redistribute pass).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn.functional as F
 
+from ulysses_compile.ops import spellings
 from ulysses_compile.sharding import PARTIAL, REPLICATE, seq_shard, with_dim
 
 from . import Decision, method_or_function_args, register
 
 
-@register(torch._C._nn.linear, F.linear)
+@register(*spellings("linear"))
 def linear_rule(node, view):
     args = method_or_function_args(node, ("input", "weight", "bias"))
     x = args["input"]
@@ -29,7 +28,7 @@ def linear_rule(node, view):
     return Decision(view.placement(x), demands)
 
 
-@register(torch.addmm, "addmm")
+@register(*spellings("addmm"))
 def addmm_rule(node, view):
     args = method_or_function_args(node, ("input", "mat1", "mat2"))
     rows = args["mat1"]
@@ -42,7 +41,7 @@ def addmm_rule(node, view):
     return Decision(view.placement(rows), {rows: view.placement(rows), args["mat2"]: REPLICATE, bias: bias_placement})
 
 
-@register(torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm", torch.mm, "mm")
+@register(*spellings("matmul", "bmm", "mm"))
 def matmul_rule(node, view):
     a, b = node.args[:2]
     a_value, b_value, out = view.value(a), view.value(b), view.value(node)
@@ -77,7 +76,7 @@ def matmul_rule(node, view):
     return None
 
 
-@register(F.embedding)
+@register(F.embedding)  # not torch.embedding: it takes (weight, indices)
 def embedding_rule(node, view):
     args = method_or_function_args(node, ("input", "weight", "padding_idx", "max_norm", "norm_type",
                                           "scale_grad_by_freq", "sparse"))
@@ -87,7 +86,7 @@ def embedding_rule(node, view):
     return Decision(view.placement(ids), {ids: view.placement(ids), args["weight"]: REPLICATE})
 
 
-@register(torch.einsum)
+@register(*spellings("einsum"))
 def einsum_rule(node, view):
     """``einsum``: the sequence is one letter. Kept in the output, the output is sharded there; summed
     over, each rank's term is ``Partial``. Every operand with that letter must be sharded on it alike,

@@ -9,58 +9,20 @@ as it is.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+from ulysses_compile.ops import elementwise, spellings
 from ulysses_compile.runtime import dropout_block
 from ulysses_compile.sharding import REPLICATE, seq_factors, seq_shard
 from ulysses_compile.sizes import size_arg
 
 from . import Decision, method_or_function_args, mutated_arg, register
 
-UNARY_FUNCTIONS = (
-    torch.abs, torch.cos, torch.sin, torch.exp, torch.log, torch.rsqrt, torch.sqrt, torch.tanh,
-    torch.sigmoid, torch.relu, torch.erf, torch.neg, torch.clamp, torch.nan_to_num, torch.square,
-    torch.expm1, torch.log1p, torch.exp2, torch.log2, torch.erfc, torch.reciprocal, torch.sign, torch.floor,
-    torch.ceil, torch.round, torch.trunc, torch.clamp_min, torch.clamp_max, torch.sinh, torch.cosh,
-    torch.atan, torch.asinh, torch.isnan, torch.isinf, torch.isfinite, torch.logit, torch.special.expm1,
-    torch.special.log1p, torch.special.erf,
-    operator.neg, operator.pos, operator.invert, operator.not_,
-    F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.softplus, F.sigmoid, F.tanh, F.hardtanh,
-    F.relu6, F.selu, F.celu, F.logsigmoid, F.hardswish, F.hardsigmoid,
-    torch._C._nn.gelu, torch._C._nn.silu,
-)
-BINARY_FUNCTIONS = (
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-    operator.pow, operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
-    operator.le, operator.gt, operator.ge, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.maximum, torch.minimum, torch.where,
-    torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and,
-    torch.logical_or, torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.lerp, torch.addcmul,
-    torch.addcdiv, torch.true_divide, torch.floor_divide, torch.remainder, torch.fmod, torch.atan2, torch.polar,
-)
-METHODS = (
-    "abs", "cos", "sin", "exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid", "relu", "neg", "clamp",
-    "square", "float", "half", "bfloat16", "double", "int", "long", "bool", "to", "type", "type_as",
-    "contiguous", "clone", "detach", "add", "sub", "mul", "div", "pow", "masked_fill", "where", "eq",
-    "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "lerp", "logical_and", "logical_or",
-    "logical_not", "__and__", "__or__", "__invert__", "floor_divide", "remainder", "fmod", "erf",
-    "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_", "pow_", "float_power", "relu_",
-    "sigmoid_", "tanh_", "exp_", "abs_", "sqrt_", "rsqrt_", "zero_", "fill_", "copy_", "clamp_min_",
-    "clamp_max_", "lerp_", "addcmul_", "addcdiv_",
-    "reciprocal", "sign", "softplus", "requires_grad_", "nan_to_num",
-    "expm1", "log1p", "exp2", "log2", "erfc", "floor", "ceil", "round", "trunc", "clamp_min", "clamp_max",
-    "sinh", "cosh", "atan", "isnan", "isinf", "isfinite", "logit", "square_", "erf_",
-)
-
-
 CAST_LIKE = ("type_as", "to")  # a cast whose second argument may be a tensor read only for its dtype
 
 
-@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *(method for method in METHODS if method not in CAST_LIKE))
+@register(*(target for target in elementwise() if target not in CAST_LIKE))
 def pointwise(node, view):
     written = mutated_arg(node)
     # Dynamo records no value for an in-place op whose result is unused (``x.requires_grad_()``)
@@ -123,7 +85,7 @@ def _localize_dropout(node, sharding, ctx) -> None:
     node.kwargs = {}
 
 
-@register(F.dropout, torch.dropout)
+@register(*spellings("dropout"))
 def dropout_rule(node, view):
     args = method_or_function_args(node, DROPOUT_PARAMS)
     x = args["input"]

@@ -13,8 +13,8 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+from ulysses_compile.ops import spellings
 from ulysses_compile.sharding import PARTIAL, REPLICATE, NodeSharding, PartialScan, place, sharding_of, with_dim
 from ulysses_compile.sizes import size_arg
 
@@ -72,19 +72,15 @@ def _reduction(partial_ok: bool, scale: bool, params=("input", "dim", "keepdim")
 
 
 SUM_PARAMS = ("input", "dim", "keepdim")
-register("sum", torch.sum, "nansum", torch.nansum)(_reduction(partial_ok=True, scale=False, params=SUM_PARAMS))
+register(*spellings("sum", "nansum"))(_reduction(partial_ok=True, scale=False, params=SUM_PARAMS))
 MEAN_PARAMS = ("input", "dim", "keepdim")
-register("mean", torch.mean)(_reduction(partial_ok=True, scale=True, params=MEAN_PARAMS))
-register(
-    "amax", torch.amax, "amin", torch.amin, "max", torch.max, "min", torch.min, "prod", torch.prod,
-    "logsumexp", torch.logsumexp, "all", torch.all, "any", torch.any, "argmax", torch.argmax, "argmin",
-    torch.argmin,
-)(_reduction(partial_ok=False, scale=False))
-register("count_nonzero", torch.count_nonzero)(_reduction(partial_ok=True, scale=False, params=("input", "dim")))
-register("var", torch.var, "std", torch.std)(
+register(*spellings("mean"))(_reduction(partial_ok=True, scale=True, params=MEAN_PARAMS))
+register(*spellings("amax", "amin", "max", "min", "prod", "logsumexp", "all", "any", "argmax", "argmin"))(_reduction(partial_ok=False, scale=False))
+register(*spellings("count_nonzero"))(_reduction(partial_ok=True, scale=False, params=("input", "dim")))
+register(*spellings("var", "std"))(
     _reduction(partial_ok=False, scale=False, params=("input", "dim", "unbiased", "keepdim"))
 )
-register("norm", torch.norm)(_reduction(partial_ok=False, scale=False, params=("input", "p", "dim", "keepdim")))
+register(*spellings("norm"))(_reduction(partial_ok=False, scale=False, params=("input", "p", "dim", "keepdim")))
 
 
 def _along_dim(scan: bool = False, params: tuple[str, ...] = ("input", "dim"), default_dim: int | None = None):
@@ -110,10 +106,9 @@ def _along_dim(scan: bool = False, params: tuple[str, ...] = ("input", "dim"), d
     return rule
 
 
-register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", "cumprod",
-         torch.cumprod)(_along_dim())
-register("cumsum", torch.cumsum)(_along_dim(scan=True))
-register(F.normalize)(_along_dim(params=("input", "p", "dim", "eps"), default_dim=1))
+register(*spellings("softmax", "log_softmax", "cumprod"))(_along_dim())
+register(*spellings("cumsum"))(_along_dim(scan=True))
+register(*spellings("normalize"))(_along_dim(params=("input", "p", "dim", "eps"), default_dim=1))
 
 
 def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):
@@ -135,7 +130,7 @@ def _normalization(params: tuple[str, ...], weight_params: tuple[str, ...]):
     return rule
 
 
-register(F.layer_norm, torch.layer_norm)(
+register(*spellings("layer_norm"))(
     _normalization(("input", "normalized_shape", "weight", "bias", "eps"), ("weight", "bias"))
 )
-register(F.rms_norm, torch.rms_norm)(_normalization(("input", "normalized_shape", "weight", "eps"), ("weight",)))
+register(*spellings("rms_norm"))(_normalization(("input", "normalized_shape", "weight", "eps"), ("weight",)))

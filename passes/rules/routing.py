@@ -49,10 +49,11 @@ from ulysses_compile.sharding import (
     sharding_of,
     with_dim,
 )
+from ulysses_compile.ops import CASTS, elementwise, spellings
 from ulysses_compile.sizes import same_size, size_arg
 
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
-from .pointwise import BINARY_FUNCTIONS, CAST_LIKE, METHODS, UNARY_FUNCTIONS, cast_like
+from .pointwise import CAST_LIKE, cast_like
 from .reductions import SUM_PARAMS, _keepdim, _reduced_dims
 from .shape_ops import (
     SPLITS,
@@ -69,7 +70,7 @@ from .shape_ops import (
     view_placement,
 )
 
-SELECTIONS = ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort)
+SELECTIONS = spellings("topk", "sort", "argsort")
 _SELECTION_PARAMS = {"topk": ("input", "k", "dim"), "sort": ("input", "dim"), "argsort": ("input", "dim")}
 
 
@@ -103,7 +104,7 @@ def selection_rule(node, view):
     return Decision((rows, positions) if isinstance(outputs, tuple) else positions, {source: placement})
 
 
-@register(F.one_hot, torch.nn.functional.one_hot)
+@register(*spellings("one_hot"))
 def one_hot_rule(node, view):
     source = node.args[0] if node.args else node.kwargs["tensor"]
     if view.sharded(source) is None:
@@ -120,7 +121,7 @@ def _fixed_range(node) -> bool:
     return isinstance(args["min"], (int, float)) and isinstance(args["max"], (int, float)) and args["min"] < args["max"]
 
 
-@register("histc", torch.histc)
+@register(*spellings("histc"))
 def count_rule(node, view):
     """Counts over the rank's elements in a fixed range: their sum over ranks is the global count."""
     source = method_or_function_args(node, HISTC_PARAMS)["input"]
@@ -129,8 +130,7 @@ def count_rule(node, view):
     return Decision(PARTIAL, {source: view.placement(source)})
 
 
-SCATTERS = ("scatter", torch.scatter, "scatter_", "scatter_add", torch.scatter_add, "scatter_add_",
-            "scatter_reduce", torch.scatter_reduce, "scatter_reduce_")
+SCATTERS = spellings("scatter", "scatter_add", "scatter_reduce", in_place=True)
 
 
 @register(*SCATTERS)
@@ -152,9 +152,8 @@ def scatter_rule(node, view):
     return Decision(placement, demands)
 
 
-LIKE = ("empty_like", torch.empty_like, "zeros_like", torch.zeros_like, "ones_like", torch.ones_like,
-        "full_like", torch.full_like)
-FRESH_BUFFERS = frozenset({*LIKE, "new_empty", "new_zeros", "new_ones", "new_full"})
+LIKE = spellings("empty_like", "zeros_like", "ones_like", "full_like")
+FRESH_BUFFERS = frozenset({*LIKE, *spellings("new_empty", "new_zeros", "new_ones", "new_full")})
 
 
 @register(*LIKE)
@@ -226,10 +225,9 @@ def _permuted_like(view, node, args) -> Decision | None:
     return Decision(target, demands)
 
 
-@register(*UNARY_FUNCTIONS, *BINARY_FUNCTIONS, *(method for method in METHODS if method not in CAST_LIKE), *LIKE,
-          permuted=True)
+@register(*(target for target in elementwise() if target not in CAST_LIKE), *LIKE, permuted=True)
 def permuted_pointwise_rule(node, view):
-    if node.target in (operator.floordiv, torch.floor_divide, "floor_divide") or node.target in ("div", torch.div) \
+    if node.target in spellings("floor_divide") or node.target in spellings("div") \
             and node.kwargs.get("rounding_mode") in ("floor", "trunc"):
         return _positions_divided(node, view)
     if node.target in LIKE:
@@ -326,11 +324,13 @@ def permuted_getitem_rule(node, view):
     return None
 
 
-@register("unsqueeze", torch.unsqueeze, "squeeze", torch.squeeze, *TRANSPOSES, "permute", torch.permute,
-          permuted=True)
+_DIM_MAPS = {**dict.fromkeys(spellings("unsqueeze"), _unsqueeze), **dict.fromkeys(spellings("squeeze"), _squeeze),
+             **dict.fromkeys(spellings("permute"), _permute)}
+
+
+@register(*_DIM_MAPS, *TRANSPOSES, permuted=True)
 def permuted_dims_rule(node, view):
-    mapping = {"unsqueeze": _unsqueeze, torch.unsqueeze: _unsqueeze, "squeeze": _squeeze, torch.squeeze: _squeeze,
-               "permute": _permute, torch.permute: _permute}.get(node.target, _transpose)
+    mapping = _DIM_MAPS.get(node.target, _transpose)
     source = _first(node)
     placement = view.placement(source)
     rows = placement.rows if isinstance(placement, Positions) else placement
@@ -384,7 +384,7 @@ def permuted_view_rule(node, view):
                     _localize_shape(method))
 
 
-@register(torch.gather, "gather", torch.index_select, "index_select", permuted=True)
+@register(*spellings("gather", "index_select"), permuted=True)
 def permuted_gather_rule(node, view):
     """``torch.gather(x, 0, positions)`` / ``x.index_select(0, positions)``: rows read at the rank's
     positions, as ``x[positions]``."""
@@ -479,7 +479,7 @@ def _item_of(section) -> tuple[fx.Node, int] | None:
 
 
 def _uncast(node: fx.Node) -> fx.Node:
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS:
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in CASTS:
         node = node.args[0]
     return node
 
@@ -538,7 +538,7 @@ def _drop_unread(reads) -> None:
 
 def _is_read(node: fx.Node) -> bool:
     """A count read out of the counts tensor: ``.item()``, an element, a cast."""
-    return node.op == "call_method" and node.target in ("item", *_CASTS) or node.target is operator.getitem
+    return node.op == "call_method" and node.target in ("item", *CASTS) or node.target is operator.getitem
 
 
 _ASSERTIONS = (torch.ops.aten._assert_scalar.default, torch._check, torch._check_is_size)
@@ -550,7 +550,7 @@ def _is_check(node: fx.Node) -> bool:
                                                           operator.le, operator.add)
 
 
-@register(torch.cat, "cat", torch.concat, torch.concatenate, permuted=True)
+@register(*spellings("cat", "concat", "concatenate"), permuted=True)
 def permuted_cat_rule(node, view):
     """The pieces of split sorted rows, each through its expert, joined again in the order they were
     split (piece e has the e-th count's rows): the rows in their sort's order."""
@@ -591,7 +591,7 @@ def _output_of(node) -> object:
     return sharding.output if sharding is not None else None
 
 
-@register("histc", torch.histc, permuted=True)
+@register(*spellings("histc"), permuted=True)
 def permuted_count_rule(node, view):
     """Per-expert counts of the sorted expert ids: the rank's own counts, what its grouped matmul needs."""
     source = method_or_function_args(node, HISTC_PARAMS)["input"]
@@ -601,8 +601,6 @@ def permuted_count_rule(node, view):
     return Decision(Partial(over=placement.order), {source: placement})
 
 
-_CASTS = ("float", "int", "long", "double", "to", "type")
-
 
 def _is_sorted_values(node: fx.Node, order: str) -> bool:
     """Whether ``node`` is the values output of the sort ``order`` (through casts): what grouped offsets
@@ -611,7 +609,7 @@ def _is_sorted_values(node: fx.Node, order: str) -> bool:
     return node.target is operator.getitem and node.args[1] == 0 and node.args[0].name == order
 
 
-@register("cumsum", torch.cumsum, permuted=True)
+@register(*spellings("cumsum"), permuted=True)
 def permuted_cumsum_rule(node, view):
     """Offsets from counts: a cumulative sum along the experts is still the rank's own."""
     source = _first(node)
@@ -637,7 +635,7 @@ def grouped_mm_rule(node, view):
     return Decision(placement, {rows: placement, weight: REPLICATE, offsets: view.placement(offsets)})
 
 
-@register(torch.bmm, "bmm", torch.matmul, operator.matmul, "matmul", permuted=True)
+@register(*spellings("bmm", "matmul"), permuted=True)
 def permuted_bmm_rule(node, view):
     """Row-batched matmuls of rows in one order (each row with its expert's weight)."""
     a, b = node.args[:2]
@@ -650,7 +648,7 @@ def permuted_bmm_rule(node, view):
     return None
 
 
-@register(torch._C._nn.linear, F.linear, permuted=True)
+@register(*spellings("linear"), permuted=True)
 def permuted_linear_rule(node, view):
     args = method_or_function_args(node, ("input", "weight", "bias"))
     x = args["input"]
@@ -663,7 +661,7 @@ def permuted_linear_rule(node, view):
     return Decision(placement, demands)
 
 
-@register("sum", torch.sum, permuted=True)
+@register(*spellings("sum"), permuted=True)
 def permuted_sum_rule(node, view):
     """A sum over the permuted rows is the rank's part of the sum over its tokens; over other dims the
     rows stay."""
@@ -678,8 +676,7 @@ def permuted_sum_rule(node, view):
     return Decision(with_dim(placement, kept), {source: placement})
 
 
-@register("index_add", torch.index_add, "index_add_", "index_copy", torch.index_copy, "index_copy_", "scatter_add",
-          torch.scatter_add, "scatter_add_", permuted=True)
+@register(*spellings("index_add", "index_copy", "scatter_add", in_place=True), permuted=True)
 def put_back_rule(node, view):
     """``tokens.index_add_(0, positions, rows)`` (or ``scatter_add_`` with the positions broadcast along
     the features): the sorted rows added back at their tokens' positions."""

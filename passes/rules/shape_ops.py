@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.compat import statically_known_true
+from ulysses_compile.ops import CASTS, spellings
 from ulysses_compile.runtime import summed_away
 from ulysses_compile.sharding import (
     PARTIAL,
@@ -32,24 +33,19 @@ from ulysses_compile.sizes import same_size, size_arg
 from . import Decision, index_entries, insert_part, method_or_function_args, normalize_dim, register
 
 # The op tables the rules register and sequence_dims.py walks back through.
-VIEWS = ("view", "reshape", torch.reshape, "flatten", torch.flatten, "unflatten", torch.unflatten, "view_as",
-         "reshape_as")
-TRANSPOSES = ("transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims", torch.swapdims)
-SPLITS = ("split", torch.split, "chunk", torch.chunk, "tensor_split", torch.tensor_split)
-UNBINDS = ("unbind", torch.unbind)
+VIEWS = spellings("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as")
+TRANSPOSES = spellings("transpose", "swapaxes", "swapdims")
+SPLITS = spellings("split", "chunk", "tensor_split")
+UNBINDS = spellings("unbind")
 # Ops whose result may share storage with their first argument, so that an in-place write into one is
 # seen through the other. Over-inclusive on purpose (reshape, contiguous and casts may copy): a false
 # alias only costs a conversion placed later, a missed one a stale read.
 ALIASING = frozenset({
-    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, operator.getitem, "expand", "expand_as", "permute", torch.permute,
-    "movedim", torch.movedim, "moveaxis", torch.moveaxis, "unsqueeze", torch.unsqueeze, "squeeze", torch.squeeze,
-    "narrow", torch.narrow, "select", torch.select, "t", torch.t, "detach", torch.detach, "as_strided",
-    "diagonal", torch.diagonal, "unfold", "contiguous", "view_as_real", torch.view_as_real, "view_as_complex",
-    torch.view_as_complex, "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "bool",
-    "ravel", torch.ravel, "broadcast_to", torch.broadcast_to, torch.as_strided, "split_with_sizes",
-    torch.split_with_sizes, "adjoint", torch.adjoint, "conj", torch.conj, torch.real, torch.imag, "hsplit",
-    torch.hsplit, "vsplit", torch.vsplit, "dsplit", torch.dsplit, "unsafe_split", "unsafe_chunk",
-    torch.atleast_1d, torch.atleast_2d, torch.atleast_3d, getattr, summed_away,
+    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, *spellings(
+        "expand", "expand_as", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze", "narrow", "select", "t",
+        "detach", "as_strided", "diagonal", "unfold", "contiguous", "view_as_real", "view_as_complex", "ravel",
+        "broadcast_to", "split_with_sizes", "adjoint", "conj", "real", "imag", "hsplit", "vsplit", "dsplit",
+        "unsafe_split", "unsafe_chunk", "atleast_1d", "atleast_2d", "atleast_3d"),
 })
 
 
@@ -262,7 +258,7 @@ def repeat_rule(node, view):
     return Decision(seq_shard(out_dim, outer * sizes[out_dim], inner), {source: view.placement(source)})
 
 
-@register("repeat_interleave", torch.repeat_interleave)
+@register(*spellings("repeat_interleave"))
 def repeat_interleave_rule(node, view):
     """Along another dim, the dims stay; along the sequence (a token per top-k slot: ``[T, H]`` ->
     ``[T*k, H]``) each token's copies sit next to it, merged after the sequence: ``inner * k``."""
@@ -285,11 +281,11 @@ def _complex_view(node, dim, in_value, out):
 
 
 register(*TRANSPOSES)(_dim_map_rule(_transpose))
-register("view_as_complex", torch.view_as_complex, "view_as_real", torch.view_as_real)(_dim_map_rule(_complex_view))
-register("permute", torch.permute)(_dim_map_rule(_permute))
-register("movedim", torch.movedim, "moveaxis", torch.moveaxis)(_dim_map_rule(_movedim))
-register("unsqueeze", torch.unsqueeze)(_dim_map_rule(_unsqueeze))
-register("squeeze", torch.squeeze)(_dim_map_rule(_squeeze))
+register(*spellings("view_as_complex", "view_as_real"))(_dim_map_rule(_complex_view))
+register(*spellings("permute"))(_dim_map_rule(_permute))
+register(*spellings("movedim", "moveaxis"))(_dim_map_rule(_movedim))
+register(*spellings("unsqueeze"))(_dim_map_rule(_unsqueeze))
+register(*spellings("squeeze"))(_dim_map_rule(_squeeze))
 
 
 def _is_full_slice(entry, size) -> bool:
@@ -431,7 +427,7 @@ def _is_legacy_empty(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
 
 
-@register(torch.cat, torch.concat, torch.concatenate, torch.stack)
+@register(*spellings("cat", "concat", "concatenate", "stack"))
 def cat_rule(node, view):
     args = method_or_function_args(node, ("tensors", "dim"), {"dim": 0})
     tensors, dim = args["tensors"], args["dim"]
@@ -451,7 +447,7 @@ def cat_rule(node, view):
     return Decision(out_placement, {t: sharded[0] for t in parts})
 
 
-@register(torch.gather, "gather")
+@register(*spellings("gather"))
 def gather_rule(node, view):
     """``torch.gather(x, dim, index)``: each output element reads ``x`` where its index says, so the
     output is sharded like ``index``; ``x`` is read whole along ``dim`` and row-aligned elsewhere (a
