@@ -18,9 +18,11 @@ Hand-written attention gets the same treatment around its head-parallel region: 
 ``q @ k^T``, ``k`` into its transpose, ``v`` into ``probs @ v``, and ``heads_to_seq`` in place of the
 ``attention_output`` marker.
 
-SDPA with ``dropout_p > 0`` becomes ``attention_heads_dropout(q_h, k_h, v_h, ..., rank=rank)``: the
-same kernel with its draws seeded apart on each rank, so heads on different ranks get independent masks
-(the kernel draws from the generator, alike on every rank).
+What else changes in the call on the rank's heads is the site's form's (``on_rank_heads``): per-head
+inputs narrowed to the rank's heads, and SDPA with ``dropout_p > 0`` becomes
+``attention_heads_dropout(q_h, k_h, v_h, ..., rank=rank)``, the same kernel with its draws seeded apart
+on each rank, so heads on different ranks get independent masks (the kernel draws from the generator,
+alike on every rank).
 
 Heads split over ranks in balanced blocks (``sharding.block_sizes``): 6 heads on 4 ranks go 2, 2, 1, 1,
 by one all-to-all with split sizes. Key/value heads travel by all-to-all when they split like the query
@@ -41,8 +43,7 @@ import operator
 import torch.fx as fx
 
 from ulysses_compile.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads, seq_to_heads_qkv
-from ulysses_compile.random_draws import random_draw
-from ulysses_compile.runtime import attention_heads_dropout, repeat_heads
+from ulysses_compile.runtime import repeat_heads
 from ulysses_compile.sharding import NodeSharding, Shard, block_range, place, sharding_of
 
 
@@ -59,9 +60,8 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             for role in ("key", "value"):
                 slot = site.slots[role]
                 slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
-        if site.scores is None:
-            _narrow_mask_heads(graph, site, ctx)
-        output = site.node
+        site.form.on_rank_heads(site, ctx)
+        output = site.form.output(site)
         back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
                                                  ctx.world_size, ctx.group_name), after=output),
                      Shard(site.seq_axis), output)
@@ -73,9 +73,6 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             _mark(output, Shard(site.head_axis), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
-        if site.form == "scaled_dot_product_attention" and random_draw(output) is not None:
-            output.target = attention_heads_dropout
-            output.kwargs = {**output.kwargs, "rank": ctx.rank}
 
 
 def _fused_qkv(graph, site, ctx, replaced) -> bool:
@@ -155,29 +152,3 @@ def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:
 def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
     """The new node holds ``like``'s global value in ``placement``."""
     return place(node, NodeSharding(placement, sharding_of(like).global_value))
-
-
-# Per-head inputs besides q, k, v, and where their heads dim is counted from the end: SDPA masks
-# broadcast against [..., heads, query, key]; flash-attn's ALiBi slopes are [heads] or [batch, heads].
-PER_HEAD_INPUTS = {"attn_mask": 3, "alibi_slopes": 1}
-
-
-def _narrow_mask_heads(graph, site, ctx) -> None:
-    for role, from_end in PER_HEAD_INPUTS.items():
-        if role in site.slots:
-            _narrow_heads(graph, site, ctx, role, from_end)
-
-
-def _narrow_heads(graph, site, ctx, role: str, from_end: int) -> None:
-    slot = site.slots[role]
-    mask = slot.read()
-    if not isinstance(mask, fx.Node):
-        return
-    value = sharding_of(mask).global_value
-    head_dim = value.dim() - from_end
-    if head_dim < 0 or value.shape[head_dim] == 1:
-        return
-    first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
-    with graph.inserting_before(site.node):
-        narrowed = graph.call_method("narrow", (mask, head_dim, first, count))
-    slot.write(_mark(narrowed, Shard(head_dim), mask))

@@ -120,7 +120,7 @@ class _Placed:
 
 def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     """Place every node; returns what propagation must revisit."""
-    feeds_attention = ancestors(n for site in sites for n in (site.query, site.key, site.value))
+    feeds_attention = ancestors(site.entering(role) for site in sites for role in ("query", "key", "value"))
     feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
     head_parallel = _head_parallel_nodes(sites)

@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from ulysses_compile.compat import is_fake, real_tensors, symbol_hints, symbol_lower_bounds, symbolic_expr
 from ulysses_compile.errors import UlyssesError
-from ulysses_compile.passes.detect_attention import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
+from ulysses_compile.passes.attention_forms.sdpa import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
 from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 from ulysses_compile.passes.rules import erase_unused
 from ulysses_compile.random_draws import random_draw

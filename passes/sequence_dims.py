@@ -27,7 +27,7 @@ PRODUCTS = spellings("linear", "matmul", "bmm")
 def sequence_dims(sites, parameters) -> dict[fx.Node, int]:
     found: dict[fx.Node, int] = {}
     for site in sites:
-        for node in (site.query, site.key, site.value):
+        for node in map(site.entering, ("query", "key", "value")):
             dim = site.seq_axis
             while isinstance(node, fx.Node) and node not in found and node not in parameters:
                 found[node] = dim

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import nanogpt
 from models import VOCAB, token_batch, tiny_llama
@@ -137,6 +138,35 @@ class OtherSpellings(_FusedQKV):
         scores = torch.div(torch.matmul(q, k.swapaxes(-1, -2)), math.sqrt(self.head_dim))
         probs = torch.special.softmax(scores, dim=-1)
         return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class FlexDocumentsAlibi(_FusedQKV):
+    """FlexAttention as torchtitan writes it: ``[B, H, S, D]``, a block mask built once for the sequence
+    (causal within documents, read from a captured document-id buffer; every other head also within a
+    window of 8, so the mask has a heads dim) and ALiBi as a ``score_mod`` that reads the head. Frozen:
+    FlexAttention has no CPU backward (its gradients are checked on a GPU, tests/test_gpu.py)."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, seq: int = SEQ):
+        super().__init__(dim, heads)
+        documents = torch.tensor([0] * (seq // 3) + [1] * (seq // 2) + [2] * (seq - seq // 3 - seq // 2))
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads))
+
+        def within_documents(b, h, q_idx, kv_idx):
+            windowed = (h % 2 == 0) | (q_idx - kv_idx < 8)
+            return (q_idx >= kv_idx) & (documents[q_idx] == documents[kv_idx]) & windowed
+
+        self.block_mask = create_block_mask(within_documents, None, heads, seq, seq, device="cpu")
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+
+        def alibi(score, batch, head, q_idx, kv_idx):
+            return score - self.slopes[head] * (q_idx - kv_idx)
+
+        out = flex_attention(q, k, v, score_mod=alibi, block_mask=self.block_mask)
+        return self.out(out.transpose(1, 2).reshape(b, s, d))
 
 
 class ValueAfterScores(nn.Module):
@@ -273,6 +303,7 @@ FORMS = {
     "sdpa_gqa_bool_mask": _seeded(lambda: (MaskedSDPA(), (_features(), _padding()), {})),
     "sdpa_per_head_bias_6_heads": _seeded(lambda: (MaskedSDPA(dim=48, heads=6, kv_heads=6, per_head_bias=True),
                                                    (torch.randn(2, SEQ, 48), _padding()), {})),
+    "flex_documents_alibi": _seeded(lambda: (FlexDocumentsAlibi(), (_features(),), {})),
     "other_spellings": _seeded(lambda: (OtherSpellings(), (_features(),), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
     "value_after_scores": _seeded(lambda: (ValueAfterScores(), (_features(),), {})),

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile import ops
-from ulysses_compile.passes import detect_attention
+from ulysses_compile.passes.attention_forms import handwritten
 from ulysses_compile.passes.rules import rule_for
 from ulysses_compile.passes.rules.pointwise import CAST_LIKE, cast_like_rule, pointwise
 from ulysses_compile.sharding import REPLICATE, Shard
@@ -58,5 +58,5 @@ def test_an_op_no_rule_names_is_sharded_like_any_elementwise_op():
 
 
 def test_the_detection_passes_read_the_same_table():
-    assert set(detect_attention.SOFTMAX) == set(ops.spellings("softmax"))
-    assert set(ops.spellings("matmul", "bmm")) <= set(detect_attention.SCORES) & set(detect_attention.VALUES)
+    assert set(handwritten.SOFTMAX) == set(ops.spellings("softmax"))
+    assert set(ops.spellings("matmul", "bmm")) <= set(handwritten.SCORES) & set(handwritten.VALUES)

@@ -55,7 +55,7 @@ def packed_batch_is_parallel_and_exact(rank, world_size, attention):
     assert kinds.count("seq_to_heads_qkv") == LAYERS and kinds.count("heads_to_seq") == LAYERS, kinds
     assert "seq_to_heads" not in kinds and "gather_kv_heads" not in kinds, kinds
     if attention == "flash_attention_2":
-        assert all(site.form == "flash_attn_varlen" and "packed sequences (cu_seqlens [5])" in site.summary()
+        assert all(site.spelling == "flash_attn_varlen" and "packed sequences (cu_seqlens [5])" in site.summary()
                    for site in report.attention_sites), str(report)
 
 

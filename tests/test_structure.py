@@ -327,7 +327,7 @@ def test_handwritten_attention_runs_on_heads(fake_group):
     torch.manual_seed(0)
     (gm,) = rewritten_graphs(ManualAttention(), (torch.randn(2, 32, 16),))
     report = gm.meta["ulysses_report"]
-    assert [site.form for site in report.attention_sites] == ["matmul_softmax"]
+    assert [site.spelling for site in report.attention_sites] == ["matmul_softmax"]
     assert report.fallbacks == [] and calls(gm, gather_seq) == [] and len(report.sharded_outputs) == 1
     assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []  # q, k, v exist before q @ k^T
     shapes = [(tuple(inp.shape), tuple(out.shape)) for inp, out in sent_to_heads(gm)]
@@ -341,7 +341,7 @@ def test_handwritten_attention_runs_on_heads(fake_group):
 
 
 def _sdpa_masks(gm) -> list:
-    from ulysses_compile.passes.detect_attention import SDPA_TARGETS, sdpa_arguments
+    from ulysses_compile.passes.attention_forms.sdpa import SDPA_TARGETS, sdpa_arguments
 
     calls = [sdpa_arguments(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
     return [("causal" if call.get("is_causal") else None, call.get("attn_mask")) for call in calls]

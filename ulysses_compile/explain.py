@@ -250,7 +250,7 @@ def _site_report(site, world_size: int, rank: int) -> SiteReport:
                                    f"uneven blocks {','.join(map(str, blocks))} (rank {rank}: {blocks[rank]})"),
     ]
     return SiteReport(
-        module=site.module or site.node.name, form=site.form, layout=site.layout(), heads=site.heads,
+        module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
         kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
         mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
     )
@@ -262,7 +262,7 @@ def _minimum_bytes(site, world_size: int, rank: int) -> int:
     backward sends the mirror images: B x (S_r H + 2 T_r H_kv + S H_r) x D and B x (S H_r + 2 T H_kv,r +
     S_r H) x D elements, T the key/value length (2 x B x S/P x (2 H + 2 H_kv) x D when T = S and P
     divides everything)."""
-    query = sharding_of(site.query).global_value
+    query = sharding_of(site.entering("query")).global_value
     seq, kv_seq = as_int(site.seq_len), as_int(site.kv_seq_len)
     batch = query.numel() // (site.heads * seq * site.head_dim)
     local_seq, local_kv_seq = block_sizes(seq, world_size)[rank], block_sizes(kv_seq, world_size)[rank]

@@ -196,4 +196,5 @@ def mutated_arg(node: fx.Node):
 
 
 # Importing the families fills the registry.
-from . import attention, linalg, losses, pointwise, reductions, routing, shape_ops  # noqa: E402,F401
+from . import linalg, losses, pointwise, reductions, routing, shape_ops  # noqa: E402,F401
+from .. import attention_forms  # noqa: E402,F401  (each form registers the rule of its own calls)
