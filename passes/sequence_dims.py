@@ -60,11 +60,11 @@ def _source_dim(node: fx.Node, dim: int, parameters) -> tuple[fx.Node, int] | No
         args = method_or_function_args(node, ("input", "dim", "dim1"))
         a, b = (normalize_dim(args[name], value.dim()) for name in ("dim", "dim1"))
         return source, b if dim == a else a if dim == b else dim
-    if target in ("permute", torch.permute):
+    if target in spellings("permute"):
         dims = node.args[1:] if len(node.args) > 1 else node.kwargs["dims"]
         dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
         return source, normalize_dim(dims[dim], value.dim())
-    if target in ("unsqueeze", torch.unsqueeze):
+    if target in spellings("unsqueeze"):
         inserted = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], out.dim())
         return None if dim == inserted else (source, dim - (dim > inserted))
     if target is operator.getitem:

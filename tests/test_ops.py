@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ulysses_compile import ops
 from ulysses_compile.passes.attention_forms import handwritten
-from ulysses_compile.passes.rules import rule_for
+from ulysses_compile.passes.rules import mutated_arg, rule_for
 from ulysses_compile.passes.rules.pointwise import CAST_LIKE, cast_like_rule, pointwise
 from ulysses_compile.sharding import REPLICATE, Shard
 
@@ -60,3 +60,11 @@ def test_an_op_no_rule_names_is_sharded_like_any_elementwise_op():
 def test_the_detection_passes_read_the_same_table():
     assert set(handwritten.SOFTMAX) == set(ops.spellings("softmax"))
     assert set(ops.spellings("matmul", "bmm")) <= set(handwritten.SCORES) & set(handwritten.VALUES)
+
+
+@pytest.mark.parametrize("target", sorted(ops.in_place_operators(), key=str))
+def test_in_place_operators_and_their_methods_write_their_first_operand(target):
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    node = graph.create_node("call_method" if isinstance(target, str) else "call_function", target, (x, y))
+    assert mutated_arg(node) is x

@@ -158,12 +158,13 @@ def op_name(node) -> str | None:
 
 
 def aten_overloads():
-    """``(name, [(tags, argument names) of each overload])`` for every ATen op."""
+    """``(name, [(tags, argument names, return types) of each overload])`` for every ATen op."""
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name)
         if isinstance(packet, torch._ops.OpOverloadPacket):
             overloads = [getattr(packet, overload) for overload in packet.overloads()]
-            yield name, [(set(op.tags), [argument.name for argument in op._schema.arguments]) for op in overloads]
+            yield name, [(set(op.tags), [argument.name for argument in op._schema.arguments],
+                          [str(result.type) for result in op._schema.returns]) for op in overloads]
 
 
 def aliases_first_input(target) -> bool:

@@ -25,19 +25,17 @@ _NAMESPACES = (torch, torch.special, F, native_nn_functions)
 _OPERATOR_RENAMES = {
     "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "and_": "bitwise_and", "or_": "bitwise_or",
     "xor": "bitwise_xor", "lshift": "bitwise_left_shift", "rshift": "bitwise_right_shift", "invert": "bitwise_not",
-    "pos": "positive", "not_": "logical_not",
+    "pos": "positive",
 }
 # Elementwise ops without ATen's pointwise tag (composites, or ops their decompositions define).
 _UNTAGGED_ELEMENTWISE = ("floor_divide", "polar", "hardswish", "log_sigmoid", "logsigmoid", "positive", "logical_not")
+CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "int", "long", "bool")
 # Ops that keep their input's layout element for element though ATen does not call them pointwise: dtype
 # casts, copies and fills, called as methods.
-LAYOUT_KEEPING_METHODS = (
-    "to", "type", "type_as", "float", "half", "bfloat16", "double", "int", "long", "bool", "contiguous", "clone",
-    "detach", "requires_grad_", "zero_", "fill_", "copy_",
-)
-CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "int", "long", "bool")
+LAYOUT_KEEPING_METHODS = (*CASTS, "contiguous", "clone", "detach", "requires_grad_", "zero_", "fill_", "copy_")
 
 
+@functools.cache
 def _operators() -> dict[str, tuple]:
     """ATen name -> the Python operators that call it and their Tensor methods (``add`` -> operator.add,
     ``"__add__"``; ``add_`` -> operator.iadd, ``"__iadd__"``)."""
@@ -55,11 +53,6 @@ def _operators() -> dict[str, tuple]:
 
 
 @functools.cache
-def _operators_by_name() -> dict[str, tuple]:
-    return _operators()
-
-
-@functools.cache
 def spellings(*names: str, in_place: bool = False) -> tuple:
     """Every target a Dynamo node calling the ATen ops ``names`` can have: the functions of that name in
     torch, torch.special (``special_entr`` is ``torch.special.entr``), torch.nn.functional and
@@ -74,7 +67,7 @@ def spellings(*names: str, in_place: bool = False) -> tuple:
                 if callable(function) and not isinstance(function, type) and not attribute.startswith("_"):
                     found.append(function)
         found.extend(variant for variant in variants if hasattr(torch.Tensor, variant))
-        found.extend(op for variant in variants for op in _operators_by_name().get(variant, ()))
+        found.extend(op for variant in variants for op in _operators().get(variant, ()))
     return tuple(dict.fromkeys(found))
 
 
@@ -83,11 +76,19 @@ def pointwise_names() -> tuple[str, ...]:
     """The ATen ops that compute each output element from the inputs' elements at its broadcast index."""
     names = set(_UNTAGGED_ELEMENTWISE)
     for name, overloads in aten_overloads():
-        tags = set().union(*(tags for tags, _ in overloads))
-        reduces = any({"dim", "dims"} & set(arguments) for _, arguments in overloads)  # max(x, dim)
-        if torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not reduces:
+        tags = set().union(*(tags for tags, _, _ in overloads))
+        reduces = any({"dim", "dims"} & set(arguments) for _, arguments, _ in overloads)  # max(x, dim)
+        # equal's bool, frexp's pair: one tensor out of each elementwise overload, or not elementwise
+        one_tensor = all(returns == ["Tensor"] for tags, _, returns in overloads if torch.Tag.pointwise in tags)
+        if torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not reduces and one_tensor:
             names.add(name[:-1] if name.endswith("_") and not name.endswith("__") else name)
     return tuple(sorted(names))
+
+
+def in_place_operators() -> frozenset:
+    """The Python operators and their Tensor methods that write their first operand (``x += y``,
+    ``"__iadd__"``)."""
+    return frozenset(op for name, ops in _operators().items() if name.endswith("_") for op in ops)
 
 
 @functools.cache

@@ -23,14 +23,15 @@ __all__ = ["FORMS", "AttentionForm", "AttentionSite", "Slot", "global_value_of",
 
 
 class AttentionForm:
-    targets: tuple = ()  # the call_function targets of the nodes this form reads
+    targets: tuple = ()  # the targets of the nodes this form reads
     # Inputs besides q, k, v that carry heads: role -> their heads dim counted from the end.
     per_head_inputs: dict[str, int] = {}
 
     def reads(self, node: fx.Node) -> bool:
-        return node.op == "call_function" and node.target in self.targets
+        return node.op in ("call_function", "call_method") and node.target in self.targets
 
     def read(self, node: fx.Node) -> "AttentionSite | str | None":
+        """The site, or why the call runs whole (its sharding rule must then refuse it too), or None."""
         raise NotImplementedError
 
     def mask_kinds(self, site: AttentionSite) -> list[str]:
@@ -56,12 +57,17 @@ def narrow_heads(slot: Slot, before: fx.Node, from_end: int, ctx) -> None:
         return
     value = sharding_of(whole).global_value
     head_dim = value.dim() - from_end
-    if head_dim < 0 or value.shape[head_dim] == 1:
-        return
+    if head_dim >= 0 and value.shape[head_dim] != 1:
+        slot.write(rank_heads_of(whole, head_dim, before, ctx))
+
+
+def rank_heads_of(whole: fx.Node, head_dim: int, before: fx.Node, ctx) -> fx.Node:
+    """``whole`` narrowed to this rank's block of ``head_dim``, computed just before ``before``."""
+    value = sharding_of(whole).global_value
     first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
     with before.graph.inserting_before(before):
         narrowed = before.graph.call_method("narrow", (whole, head_dim, first, count))
-    slot.write(place(narrowed, NodeSharding(Shard(head_dim), value)))
+    return place(narrowed, NodeSharding(Shard(head_dim), value))
 
 
 FORMS: list[AttentionForm] = []

@@ -74,7 +74,9 @@ def flash_attention_varlen_rule(node, view):
     return _flash_decision(node, seq_axis=0, whole=("alibi_slopes",), whole_args=node.args[3:5])
 
 
-def _flash_decision(node, seq_axis: int, whole: tuple, whole_args: tuple = ()) -> Decision:
+def _flash_decision(node, seq_axis: int, whole: tuple, whole_args: tuple = ()) -> Decision | None:
+    if _kernel_dropout(node.kwargs.get("dropout_p", 0.0)) is not None:
+        return None  # runs whole (``read`` says why)
     q, k, v = node.args[:3]
     demands = {q: Shard(seq_axis), k: Shard(seq_axis), v: Shard(seq_axis)}
     for arg in (*whole_args, *(node.kwargs.get(name) for name in whole)):

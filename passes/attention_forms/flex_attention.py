@@ -7,7 +7,7 @@ On the rank's heads, each rank calls it on the whole sequence of its block of he
 global, so the mods and the block mask built for the whole sequence hold as they are; the mods'
 head index is offset by the rank's first head (a mod that reads it, ALiBi say, sees the model's own
 head), and block-mask tensors with a heads dim keep the rank's heads. The buffers the mods read
-(document ids, ALiBi slopes) arrive whole. Only the attention output may be read (not its log-sum-exp).
+(document ids, ALiBi slopes) arrive whole. A call whose log-sum-exp or max scores are read runs whole.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.report import module_path
 from ulysses_compile.sharding import NodeSharding, Shard, block_range, place, sharding_of
 
-from . import FORMS, AttentionForm, Slot, global_value_of, read_site
+from . import FORMS, AttentionForm, Slot, global_value_of, rank_heads_of, read_site
 
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 _SCORE_MOD, _BLOCK_MASK = 3, 4  # argument positions
@@ -33,17 +33,16 @@ class FlexAttention(AttentionForm):
     targets = (FLEX_ATTENTION,)
 
     def read(self, node):
-        results = [user for user in node.users if user.target is operator.getitem]
-        if any(user.args[1] != 0 for user in results) or len(results) != len(node.users):
-            return ("flex_attention's log-sum-exp (return_lse=True) is read beside its output; only the output "
-                    "is split over the ranks' heads, so it runs whole on every rank")
+        if (reason := _runs_whole(node)) is not None:
+            return reason
         slots = {"query": Slot(node, 0), "key": Slot(node, 1), "value": Slot(node, 2)}
         return read_site(node, self, "flex_attention", module_path(node), slots, is_causal=False,
-                         side_inputs=tuple(_block_mask_tensors(node)))
+                         side_inputs=tuple(node.args[_BLOCK_MASK][index] for index in _block_mask_tensors(node)))
 
     def mask_kinds(self, site) -> list[str]:
         tensors = _block_mask_tensors(site.node)
-        kinds = [f"block mask {list(global_value_of(tensors[1]).shape)}" if len(tensors) > 1 else "no block mask"]
+        kv_num_blocks = global_value_of(site.node.args[_BLOCK_MASK][tensors[0]]) if tensors else None
+        kinds = [f"block mask over [B, H] {list(kv_num_blocks.shape[:2])}" if tensors else "no block mask"]
         return kinds + [f"{name} reads the head" for name, index in (("score_mod", _SCORE_MOD), ("mask_mod", _BLOCK_MASK))
                         if _head_reads(_mod(site.node, index), index)]
 
@@ -52,12 +51,16 @@ class FlexAttention(AttentionForm):
 
     def on_rank_heads(self, site, ctx) -> None:
         node = site.node
-        first, count = block_range(site.heads, ctx.world_size, ctx.rank)
+        results = list(node.users)
+        for duplicate in results[1:]:  # each reads element 0 (``read``): one all-to-all back serves them all
+            duplicate.replace_all_uses_with(results[0])
+            node.graph.erase_node(duplicate)
+        first, _ = block_range(site.heads, ctx.world_size, ctx.rank)
         args = list(node.args)
         block_mask = list(args[_BLOCK_MASK])
-        for index, entry in enumerate(block_mask):
-            if isinstance(entry, fx.Node) and entry.op != "get_attr":
-                block_mask[index] = _narrowed(entry, node, site.heads, first, count)
+        for index in _block_mask_tensors(node):
+            if global_value_of(block_mask[index]).shape[1] == site.heads:
+                block_mask[index] = rank_heads_of(block_mask[index], 1, node, ctx)
         args[_BLOCK_MASK] = tuple(block_mask)
         for index in (_SCORE_MOD, _BLOCK_MASK):
             mod = _mod_node(args, index)
@@ -69,8 +72,18 @@ class FlexAttention(AttentionForm):
         place(node, NodeSharding(tuple(Shard(site.head_axis) for _ in global_values), global_values))
 
 
-def _block_mask_tensors(node) -> list[fx.Node]:
-    return [entry for entry in node.args[_BLOCK_MASK] if isinstance(entry, fx.Node) and entry.op != "get_attr"]
+def _runs_whole(node) -> str | None:
+    """Why this call runs whole on every rank: more of its results than the output are read."""
+    if any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users) or not node.users:
+        return ("flex_attention's log-sum-exp or max scores (return_lse / return_aux) are read beside its output; "
+                "only the output is split over the ranks' heads, so the call runs whole on every rank")
+    return None
+
+
+def _block_mask_tensors(node) -> list[int]:
+    """Where the block mask's tensors ([B, H, ...] each) are in its tuple (its lengths may be symbolic)."""
+    return [index for index, entry in enumerate(node.args[_BLOCK_MASK])
+            if isinstance(entry, fx.Node) and isinstance(entry.meta.get("example_value"), torch.Tensor)]
 
 
 def _mod_node(args, index) -> fx.Node | None:
@@ -105,20 +118,12 @@ def _offset_heads(mod_node: fx.Node, index: int, first: int) -> fx.Node:
         return mod_node.graph.get_attr(name)
 
 
-def _narrowed(tensor: fx.Node, before: fx.Node, heads: int, first: int, count: int) -> fx.Node:
-    """A block-mask tensor ([B, H, ...]) on the rank's heads, where it has one per head."""
-    value = sharding_of(tensor).global_value
-    if value.dim() < 2 or value.shape[1] != heads:
-        return tensor
-    with before.graph.inserting_before(before):
-        narrowed = before.graph.call_method("narrow", (tensor, 1, first, count))
-    return place(narrowed, NodeSharding(Shard(1), value))
-
-
 @register(FLEX_ATTENTION)
 def flex_attention_rule(node, view):
     """Sequence-sharded q, k, v in, the output (and its log-sum-exp) sequence-sharded out; the block
     mask and the mods' buffers whole."""
+    if _runs_whole(node) is not None:
+        return None
     q, k, v = node.args[:3]
     seq_axis = view.value(q).dim() - 2
     outputs = view.value(node)

@@ -70,7 +70,7 @@ def _computed_from(node: fx.Node, source: fx.Node, depth: int = 8) -> bool:
 
 def _joins_key_columns(node) -> bool:
     """``torch.cat([scores, sinks], dim=-1)``: per-head sink logits joined as extra key columns (gpt-oss)."""
-    if not _is(node, (torch.cat, torch.concat)) or not isinstance(_tensors_joined(node), (tuple, list)):
+    if not _is(node, spellings("cat", "concat", "concatenate")) or not isinstance(_tensors_joined(node), (tuple, list)):
         return False
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return isinstance(dim, int) and dim % value_of(node).dim() == value_of(node).dim() - 1
@@ -262,10 +262,10 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
 
 
 class HandwrittenAttention(AttentionForm):
-    targets = SOFTMAX
+    """Read from its softmax. Reading a site also marks its output (``attention_output``), the one change
+    to the graph detection makes."""
 
-    def reads(self, node: fx.Node) -> bool:
-        return _is(node, SOFTMAX)
+    targets = SOFTMAX
 
     def read(self, node):
         return _read(node)

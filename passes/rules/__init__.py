@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from ulysses_compile.compat import copy_recompute_tag, op_name
 from ulysses_compile.errors import InternalError
+from ulysses_compile.ops import in_place_operators
 from ulysses_compile.sharding import REPLICATE, OutputPlacement, Placement, seq_factors
 
 Rule = Callable[[fx.Node, "RuleView"], "Decision | None"]
@@ -161,10 +162,7 @@ def method_or_function_args(node: fx.Node, names: tuple[str, ...], defaults: dic
     return bound
 
 
-_WRITES_FIRST_ARGUMENT = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
-}
+_WRITES_FIRST_ARGUMENT = frozenset({operator.setitem, *in_place_operators()})  # x[i] = y, x += y, x.__iadd__(y)
 
 
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_"})  # end in "_" but write no values
@@ -175,8 +173,8 @@ _OPERATORS_NAMED_LIKE_WRITES = frozenset({operator.and_, operator.or_, operator.
 
 def mutated_arg(node: fx.Node):
     """The argument an op writes into: ``x.add_(y)``, ``x += y``, ``x[i] = y``, ``F.relu(x, inplace=True)``."""
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__") \
-            and node.target not in _FLAGS_ONLY:
+    if node.op == "call_method" and (node.target.endswith("_") and not node.target.startswith("__")
+                                     and node.target not in _FLAGS_ONLY or node.target in _WRITES_FIRST_ARGUMENT):
         return node.args[0]
     if isinstance(node.kwargs.get("out"), fx.Node):
         return node.kwargs["out"]  # torch.add(a, b, out=buffer)

@@ -41,9 +41,9 @@ UNBINDS = spellings("unbind")
 # seen through the other. Over-inclusive on purpose (reshape, contiguous and casts may copy): a false
 # alias only costs a conversion placed later, a missed one a stale read.
 ALIASING = frozenset({
-    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, *spellings(
+    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, "unfold", *spellings(
         "expand", "expand_as", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze", "narrow", "select", "t",
-        "detach", "as_strided", "diagonal", "unfold", "contiguous", "view_as_real", "view_as_complex", "ravel",
+        "detach", "as_strided", "diagonal", "contiguous", "view_as_real", "view_as_complex", "ravel",
         "broadcast_to", "split_with_sizes", "adjoint", "conj", "real", "imag", "hsplit", "vsplit", "dsplit",
         "unsafe_split", "unsafe_chunk", "atleast_1d", "atleast_2d", "atleast_3d"),
 })
