@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ulysses_compile.agreement import _fingerprint, agree_on_module_state
-from ulysses_compile.compat import register_fake_backend
+from ulysses_compile.core.compat import register_fake_backend
 
 
 def seconds(work) -> float:

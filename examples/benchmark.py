@@ -222,7 +222,7 @@ def _rank(rank: int, world_size: int, port: int, config: str, measure: str, seq_
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world_size))
     if config in COMPUTE_ONLY:
-        from ulysses_compile.compat import register_fake_backend
+        from ulysses_compile.core.compat import register_fake_backend
 
         register_fake_backend()
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)

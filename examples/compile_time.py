@@ -45,7 +45,7 @@ def _rank(rank: int, world_size: int, port: int, mode: str, layers: int, lengths
     torch.set_num_threads(threads_per_rank(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     from ulysses_compile import ulysses
-    from ulysses_compile.compat import dynamo_counters
+    from ulysses_compile.core.compat import dynamo_counters
 
     reports = []
 

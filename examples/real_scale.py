@@ -113,7 +113,7 @@ def estimate(args) -> dict:
 
 def measure(args) -> dict:
     from ulysses_compile import parallelize
-    from ulysses_compile.compat import live_bytes_peak, register_fake_backend
+    from ulysses_compile.core.compat import live_bytes_peak, register_fake_backend
 
     register_fake_backend()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=args.world_size)

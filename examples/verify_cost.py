@@ -62,7 +62,7 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from ulysses_compile.collectives import gather_objects
+    from ulysses_compile.core.collectives import gather_objects
 
     inputs = batch(args.seq_len)
     first, step = first_and_next(inputs, args, False)

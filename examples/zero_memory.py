@@ -163,7 +163,7 @@ def prefetched_gathers(codes) -> str:
 
 
 def figures(model, seq_len: int, vocab: int) -> tuple[int, int, int, int, int, str]:
-    from ulysses_compile.compat import run_and_get_code
+    from ulysses_compile.core.compat import run_and_get_code
 
     inputs = batch(seq_len, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -182,7 +182,7 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     import ulysses_compile
-    from ulysses_compile.collectives import gather_objects
+    from ulysses_compile.core.collectives import gather_objects
 
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     def model():

@@ -6,7 +6,7 @@ import torch.distributed as dist
 @pytest.fixture
 def fake_group():
     """A one-process "fake" process group at a chosen world size: collectives are shape-only."""
-    from ulysses_compile.compat import register_fake_backend
+    from ulysses_compile.core.compat import register_fake_backend
 
     register_fake_backend()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import ulysses_compile.passes.insert_all_to_all as insert_all_to_all
-from ulysses_compile.collectives import heads_to_seq
+from ulysses_compile.core.collectives import heads_to_seq
 
 
 def skipped_heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):

@@ -31,7 +31,7 @@ def reporting_backend(reports: list, as_named: bool = False, **options):
         return compiled
 
     if as_named:
-        from ulysses_compile.compat import honour_backend_contexts
+        from ulysses_compile.core.compat import honour_backend_contexts
 
         honour_backend_contexts()
         backend.backend_ctx_ctor = ulysses.backend_ctx_ctor
@@ -49,7 +49,7 @@ def parallelized_graphs(parallelized, kwargs: dict, backward_of=lambda output: o
     import torch.distributed as dist
 
     from ulysses_compile.backend import aot, rewrite
-    from ulysses_compile.options import Options
+    from ulysses_compile.core.options import Options
 
     graphs = []
 
@@ -74,7 +74,7 @@ def sent_to_heads(gm) -> list[tuple]:
     head-sharded, in graph order: a ``seq_to_heads`` call's input and result, and each of a
     ``seq_to_heads_qkv`` call's query, key and value (one all-to-all for the three) with its item of the
     call's result."""
-    from ulysses_compile.collectives import seq_to_heads, seq_to_heads_qkv
+    from ulysses_compile.core.collectives import seq_to_heads, seq_to_heads_qkv
 
     pairs = []
     for node in gm.graph.nodes:

@@ -11,8 +11,8 @@ import torch
 from attention_forms import FORMS, outputs_of
 from multirank import assert_close, compare_model, run_ranks
 from graphs import calls, rewritten_graphs, sent_to_heads
-from ulysses_compile.boundary import SequenceBlocks
-from ulysses_compile.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads, seq_to_heads_qkv
+from ulysses_compile.core.boundary import SequenceBlocks
+from ulysses_compile.core.collectives import gather_kv_heads, gather_seq, heads_to_seq, seq_to_heads, seq_to_heads_qkv
 
 SDPA = "scaled_dot_product_attention"
 # name -> (site forms, how q, k and v reach heads at P = 4): "one" all-to-all for the three
@@ -84,7 +84,7 @@ def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
 def test_transformer_encoder_with_its_default_dropout_is_parallel(fake_group):
     """``nn.TransformerEncoderLayer``'s default ``dropout=0.1`` includes the attention's, inside SDPA's
     kernel: each site runs split over heads with its draws seeded apart per rank."""
-    from ulysses_compile.runtime import attention_heads_dropout
+    from ulysses_compile.core.runtime import attention_heads_dropout
 
     fake_group(2)
     torch.manual_seed(0)
@@ -209,8 +209,8 @@ def test_a_split_that_meets_a_size_read_from_data_runs_the_graph_whole(fake_grou
     fails. (Forced here on a plain model: the rules that meet such sizes decide without guards.)"""
     import sympy
 
-    import ulysses_compile.pipeline as pipeline
-    from ulysses_compile.compat import GuardOnDataDependentSymNode
+    import ulysses_compile.passes.pipeline as pipeline
+    from ulysses_compile.core.compat import GuardOnDataDependentSymNode
 
     def meets_a_size_read_from_data(gm, ctx, sites):
         raise GuardOnDataDependentSymNode(sympy.Eq(sympy.Symbol("u0"), 0), "Could not guard on u0")

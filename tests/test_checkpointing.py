@@ -26,8 +26,8 @@ from models import token_batch, tiny_llama
 from multirank import compare_model, run_ranks
 from ulysses_compile import explain, parallelize
 from ulysses_compile.backend import ulysses
-from ulysses_compile.collectives import heads_to_seq, seq_to_heads_qkv
-from ulysses_compile.compat import (
+from ulysses_compile.core.collectives import heads_to_seq, seq_to_heads_qkv
+from ulysses_compile.core.compat import (
     CHECKPOINTED_SIDE_EFFECTS,
     ulysses_tracing,
     dynamo_counters,
@@ -121,7 +121,7 @@ def test_the_use_cache_graph_break_under_checkpointing_passes_the_ranks_blocks(c
     """transformers' use_cache warning under gradient checkpointing breaks the graph (Dynamo does not
     trace ``logger.warning_once``): the decoders' output crosses the break as the rank's block and the LM
     head and loss run on it, nothing gathered and nothing to warn about."""
-    from ulysses_compile.pipeline import _warn_once
+    from ulysses_compile.passes.pipeline import _warn_once
 
     _warn_once.cache_clear()  # a warning is logged once per process
     model, args, kwargs = checkpointed_llama()
@@ -159,7 +159,7 @@ def test_a_checkpointed_region_that_mutates_state_is_traced_whole(make):
 def test_a_graph_break_in_a_checkpointed_region_under_torch_compile_is_reported_with_its_fix(fake_group, caplog):
     """With torch.compile itself the break happens; the graphs left without attention say why, once in
     the log, with the setting that removes the break."""
-    from ulysses_compile.pipeline import _warn_once
+    from ulysses_compile.passes.pipeline import _warn_once
 
     _warn_once.cache_clear()
     fake_group(2)

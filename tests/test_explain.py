@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from models import tiny_llama, token_batch
 from sequence_models import break_in_every_block
 from ulysses_compile import DivisibilityError, UlyssesError, cli, explain
-from ulysses_compile.sharding import block_sizes
+from ulysses_compile.core.sharding import block_sizes
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -99,7 +99,7 @@ def test_explain_reports_fallbacks_with_their_source_and_graph_breaks():
 def test_explain_counts_every_run_of_a_graph_dynamo_reuses_for_each_layer():
     """A graph break inside every block: one compiled graph holds a block's attention and runs once per
     layer; the report counts each run's site, all-to-alls and saved activations."""
-    from ulysses_compile.boundary import _LAZY_CALLS
+    from ulysses_compile.core.boundary import _LAZY_CALLS
 
     layers = 3
     model, args, kwargs = break_in_every_block(layers=layers)

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from graphs import calls, rewritten_graphs
 from models import tiny_llama, token_batch
 from multirank import assert_close, run_ranks
-from ulysses_compile.collectives import heads_to_seq, seq_to_heads_qkv
+from ulysses_compile.core.collectives import heads_to_seq, seq_to_heads_qkv
 
 
 def flex_llama(heads: int = 4, kv_heads: int = 2):

@@ -227,9 +227,9 @@ def test_random_draws_are_told_from_lookalikes():
     import torch.fx as fx
     import torch.nn.functional as F
 
-    from ulysses_compile.random_draws import random_draw
+    from ulysses_compile.core.random_draws import random_draw
 
-    from ulysses_compile.runtime import attention_heads_dropout, flash_attention, flash_attention_varlen
+    from ulysses_compile.core.runtime import attention_heads_dropout, flash_attention, flash_attention_varlen
 
     def forward(x):
         return (F.dropout(x, 0.1, True), F.dropout(x, 0.1, False), torch.dropout(x, 0.1, False), F.dropout2d(x, 0.2),
@@ -267,9 +267,9 @@ def test_dropout_blocks_are_parts_of_one_mask_and_only_the_blocks_are_drawn(fake
 
     import nanogpt
 
-    from ulysses_compile.collectives import take_block
-    from ulysses_compile.compat import run_and_get_code
-    from ulysses_compile.runtime import dropout_block
+    from ulysses_compile.core.collectives import take_block
+    from ulysses_compile.core.compat import run_and_get_code
+    from ulysses_compile.core.runtime import dropout_block
 
     for shape, dim, outer, inner in (((2, 63, 16), 1, 1, 1), ((126, 16), 0, 2, 1), ((2, 189), 1, 1, 3)):
         x = torch.ones(shape)

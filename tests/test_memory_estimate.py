@@ -16,8 +16,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from models import tiny_llama, token_batch
 from ulysses_compile import cli, explain
 from ulysses_compile.backend import inner_compile
-from ulysses_compile.memory import Timeline
-from ulysses_compile.sharding import shard_rows
+from ulysses_compile.core.memory import Timeline
+from ulysses_compile.core.sharding import shard_rows
 
 MIB = 2**20
 

@@ -22,7 +22,7 @@ from models import (
     zoo_inputs,
 )
 from multirank import assert_close, compare_model, run_ranks
-from ulysses_compile.compat import run_and_get_code
+from ulysses_compile.core.compat import run_and_get_code
 
 pytestmark = pytest.mark.multirank
 
@@ -203,7 +203,7 @@ def short_verify_checks_against_eager(rank, world_size):
     (a shift after each output all-to-all) is caught at the short length."""
     from faults import output_all_to_all_dropped
     from graphs import calls
-    from ulysses_compile.collectives import heads_to_seq, seq_to_heads, seq_to_heads_qkv
+    from ulysses_compile.core.collectives import heads_to_seq, seq_to_heads, seq_to_heads_qkv
     from ulysses_compile.backend import ulysses
     from ulysses_compile import VerificationError
 

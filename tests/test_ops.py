@@ -1,4 +1,4 @@
-"""The one table of ops (``ulysses_compile/ops.py``): every spelling of an op is derived from its ATen
+"""The one table of ops (``ulysses_compile/core/ops.py``): every spelling of an op is derived from its ATen
 name, elementwise coverage is derived from ATen's ``pointwise`` tag, and the rules and the detection
 passes read that table."""
 
@@ -11,11 +11,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile import ops
+from ulysses_compile.core import ops
 from ulysses_compile.passes.attention_forms import handwritten
-from ulysses_compile.passes.rules import mutated_arg, rule_for
+from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.passes.rules import rule_for
 from ulysses_compile.passes.rules.pointwise import CAST_LIKE, cast_like_rule, pointwise
-from ulysses_compile.sharding import REPLICATE, Shard
+from ulysses_compile.core.sharding import REPLICATE, Shard
 
 from test_rules import B, H, S, build, decide, empty
 

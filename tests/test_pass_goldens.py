@@ -19,8 +19,8 @@ from expecttest import assert_expected_inline
 
 from attention_forms import FORMS
 from graphs import rewritten_graphs
-import ulysses_compile.pipeline
-from ulysses_compile.compat import recompute_region
+import ulysses_compile.passes.pipeline
+from ulysses_compile.core.compat import recompute_region
 
 DIM, HEADS, SEQ = 16, 2, 8
 
@@ -106,8 +106,8 @@ def _changes(report, graph_pass) -> str:
 
 
 def _is_collective(node) -> bool:
-    """A call the passes inserted from ulysses_compile.collectives (collectives, and the free slice)."""
-    return getattr(node.target, "__module__", None) == "ulysses_compile.collectives"
+    """A call the passes inserted from ulysses_compile.core.collectives (collectives, and the free slice)."""
+    return getattr(node.target, "__module__", None) == "ulysses_compile.core.collectives"
 
 
 def _annotated(gm, describe) -> str:
@@ -149,7 +149,7 @@ def test_recognize_flash_attention(fake_group):
 -    autograd_function_apply = torch.ops.higher_order.autograd_function_apply(fwd_body_0, bwd_body_0, q, k, v, non_differentiable_idx = [], saved_for_backward_idx = [0, 1, 2, 3, 4, 5])
 -    getitem_2 = autograd_function_apply[0]
 -    reshape = getitem_2.reshape(2, 32, 32)
-+    flash_attention = ulysses_compile_runtime_flash_attention(q, k, v, dropout_p = 0.0, softmax_scale = 0.3535533905932738, causal = True, window_size = (-1, -1), softcap = 0.0, alibi_slopes = None, deterministic = False)
++    flash_attention = ulysses_compile_core_runtime_flash_attention(q, k, v, dropout_p = 0.0, softmax_scale = 0.3535533905932738, causal = True, window_size = (-1, -1), softcap = 0.0, alibi_slopes = None, deterministic = False)
 +    reshape = flash_attention.reshape(2, 32, 32)""")
 
 
@@ -169,12 +169,12 @@ def test_detect_attention(fake_group):
     _, report = _report(fake_group, HandwrittenAttention(), _features())
     assert_expected_inline(_changes(report, "detect_attention"), """\
 -    transpose_1 = matmul_1.transpose(1, 2)
-+    attention_output = ulysses_compile_runtime_attention_output(matmul_1, 1, 2)
++    attention_output = ulysses_compile_core_runtime_attention_output(matmul_1, 1, 2)
 +    transpose_1 = attention_output.transpose(1, 2)""")
 
 
 def test_propagate_sharding(fake_group):
-    from ulysses_compile.sharding import describe, sharding_of
+    from ulysses_compile.core.sharding import describe, sharding_of
 
     gm, _ = _report(fake_group, SDPAttention(), _features())
 
@@ -203,9 +203,9 @@ def test_redistribute(fake_group):
     _, report = _report(fake_group, SDPAttention(), _features())
     assert_expected_inline(_changes(report, "redistribute"), """\
 -    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
-+    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
-+    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-+    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
++    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
++    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
 +    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
 -    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
 +    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)""")
@@ -216,20 +216,20 @@ def test_redistribute_reduces_partial_sums(fake_group):
     _, report = _report(fake_group, TokenLoss(), _features(), labels)
     assert_expected_inline(_changes(report, "redistribute"), """\
 -    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
-+    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
-+    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-+    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
++    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
++    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
 +    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
 -    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
 +    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
 -    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, flatten_1, ignore_index = -100, reduction = 'sum')
--    counted_tokens = ulysses_compile_runtime_counted_tokens(flatten_1, -100, None)
+-    counted_tokens = ulysses_compile_core_runtime_counted_tokens(flatten_1, -100, None)
 -    cross_entropy = cross_entropy_1 / counted_tokens
-+    scatter_seq_1 = ulysses_compile_collectives_scatter_seq(flatten_1, dim = 0, outer = 2, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    scatter_seq_1 = ulysses_compile_core_collectives_scatter_seq(flatten_1, dim = 0, outer = 2, inner = 1, rank = 0, world_size = 2, group_name = '0')
 +    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
-+    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy_1, group_name = '0')
-+    counted_tokens = ulysses_compile_runtime_counted_tokens(scatter_seq_1, -100, None)
-+    reduce_partial_1 = ulysses_compile_collectives_reduce_partial(counted_tokens, group_name = '0')
++    reduce_partial = ulysses_compile_core_collectives_reduce_partial(cross_entropy_1, group_name = '0')
++    counted_tokens = ulysses_compile_core_runtime_counted_tokens(scatter_seq_1, -100, None)
++    reduce_partial_1 = ulysses_compile_core_collectives_reduce_partial(counted_tokens, group_name = '0')
 +    cross_entropy = reduce_partial / reduce_partial_1""")
 
 
@@ -256,7 +256,7 @@ def test_tile_mlp(fake_group):
 -    mul = silu * linear_3
 -    linear_4 = torch._C._nn.linear(mul, sync_grad_4, None)
 -    return (linear_4,)
-+    tiled_gated_mlp = ulysses_compile_runtime_tiled_gated_mlp(h, sync_grad_2, sync_grad_3, sync_grad_4, 'silu')
++    tiled_gated_mlp = ulysses_compile_core_runtime_tiled_gated_mlp(h, sync_grad_2, sync_grad_3, sync_grad_4, 'silu')
 +    return (tiled_gated_mlp,)""")
 
 
@@ -266,11 +266,11 @@ def test_tile_token_loss(fake_group):
     assert_expected_inline(_changes(report, "tile_token_loss"), """\
 -    flatten = linear_1.reshape((8, 16))
 -    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
--    reduce_partial = ulysses_compile_collectives_reduce_partial(cross_entropy_1, group_name = '0')
+-    reduce_partial = ulysses_compile_core_collectives_reduce_partial(cross_entropy_1, group_name = '0')
 +    reshape_1 = reshape.reshape(-1, 16)
 +    reshape_2 = linear_1.reshape(-1, 16)
-+    token_loss_sum = ulysses_compile_runtime_token_loss_sum(reshape_2, reshape_1, sync_grad_1, scatter_seq_1, -100)
-+    reduce_partial = ulysses_compile_collectives_reduce_partial(token_loss_sum, group_name = '0')""")
++    token_loss_sum = ulysses_compile_core_runtime_token_loss_sum(reshape_2, reshape_1, sync_grad_1, scatter_seq_1, -100)
++    reduce_partial = ulysses_compile_core_collectives_reduce_partial(token_loss_sum, group_name = '0')""")
 
 
 def test_return_weight_inputs(fake_group):
@@ -289,12 +289,12 @@ def test_average_data_parallel_grads(fake_group):
     torch.manual_seed(0)
     (gm,) = rewritten_graphs(SDPAttention(), (_features(),), mesh=mesh)
     assert_expected_inline(_changes(gm.meta["ulysses_report"], "average_data_parallel_grads"), """\
--    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '3')
--    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '3')
-+    average_grad_1 = ulysses_compile_collectives_average_grad(l_self_modules_out_parameters_weight_, group_name = '1', group_size = 2)
-+    average_grad = ulysses_compile_collectives_average_grad(l_self_modules_qkv_parameters_weight_, group_name = '1', group_size = 2)
-+    sync_grad_1 = ulysses_compile_collectives_sync_grad(average_grad_1, group_name = '3')
-+    sync_grad = ulysses_compile_collectives_sync_grad(average_grad, group_name = '3')""")
+-    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '3')
+-    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '3')
++    average_grad_1 = ulysses_compile_core_collectives_average_grad(l_self_modules_out_parameters_weight_, group_name = '1', group_size = 2)
++    average_grad = ulysses_compile_core_collectives_average_grad(l_self_modules_qkv_parameters_weight_, group_name = '1', group_size = 2)
++    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(average_grad_1, group_name = '3')
++    sync_grad = ulysses_compile_core_collectives_sync_grad(average_grad, group_name = '3')""")
 
 
 def test_regather_parameters(fake_group):
@@ -320,15 +320,15 @@ def test_merge_gradient_reductions(fake_group):
     model = parallelize(SDPAttention(), zero_stage=2, compiler="eager")
     gm = parallelized_graphs(model, {"x": _features()}, backward_of=lambda output: output.sum())[0]
     assert_expected_inline(_changes(gm.meta["ulysses_report"], "merge_gradient_reductions"), """\
--    gather_parameter = ulysses_compile_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None)
--    sync_grad = ulysses_compile_collectives_sync_grad(gather_parameter, group_name = '0')
+-    gather_parameter = ulysses_compile_core_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None)
+-    sync_grad = ulysses_compile_core_collectives_sync_grad(gather_parameter, group_name = '0')
 -    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
-+    gather_parameter = ulysses_compile_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None, grad_divisor = 1)
++    gather_parameter = ulysses_compile_core_collectives_gather_parameter(l_self_modules_qkv_dict_ulysses_shards_weight_, (48, 16), '0', 2, False, None, None, grad_divisor = 1)
 +    linear = torch._C._nn.linear(scatter_seq, gather_parameter, None)
--    gather_parameter_1 = ulysses_compile_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None)
--    sync_grad_1 = ulysses_compile_collectives_sync_grad(gather_parameter_1, group_name = '0')
+-    gather_parameter_1 = ulysses_compile_core_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None)
+-    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(gather_parameter_1, group_name = '0')
 -    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
-+    gather_parameter_1 = ulysses_compile_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None, grad_divisor = 1)
++    gather_parameter_1 = ulysses_compile_core_collectives_gather_parameter(l_self_modules_out_dict_ulysses_shards_weight_, (16, 16), '0', 2, False, None, None, grad_divisor = 1)
 +    linear_1 = torch._C._nn.linear(reshape, gather_parameter_1, None)""")
 
 
@@ -337,12 +337,12 @@ def test_insert_all_to_all(fake_group):
     assert_expected_inline(_changes(report, "insert_all_to_all"), """\
 -    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
 -    transpose = scaled_dot_product_attention.transpose(1, 2)
-+    seq_to_heads_qkv = ulysses_compile_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
 +    getitem_3 = seq_to_heads_qkv[0]
 +    getitem_4 = seq_to_heads_qkv[1]
 +    getitem_5 = seq_to_heads_qkv[2]
 +    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
-+    heads_to_seq = ulysses_compile_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
++    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
 
@@ -358,7 +358,7 @@ def test_localize_ops(fake_group):
 +    flatten = linear_1.reshape((8, 16))
 -    cross_entropy = torch.nn.functional.cross_entropy(flatten, flatten_1)
 +    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, flatten_1, ignore_index = -100, reduction = 'sum')
-+    counted_tokens = ulysses_compile_runtime_counted_tokens(flatten_1, -100, None)
++    counted_tokens = ulysses_compile_core_runtime_counted_tokens(flatten_1, -100, None)
 +    cross_entropy = cross_entropy_1 / counted_tokens""")
 
 
@@ -387,7 +387,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     _, report = _report(fake_group, SDPAttention(), _features())
     assert len(report.graphs) == 17, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
-        module = getattr(ulysses_compile.pipeline, name).__module__
+        module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__
         assert f"test_pass_goldens.py::test_{name}" in doc or (
             name == "inline_checkpoint_regions" and "tests/test_checkpointing.py" in doc), (
@@ -399,7 +399,7 @@ def test_bucket_zero_gathers(fake_group):
     one bucket and h.1's starts before h.0's wait (control dependencies pin the order)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ulysses_compile.compat import c10d_functional
+    from ulysses_compile.core.compat import c10d_functional
     from ulysses_compile.passes.bucket_zero_gathers import BucketZeroGathers, tag_zero_gather
 
     group = fake_group(2).group_name

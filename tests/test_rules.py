@@ -13,8 +13,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.passes.rules import RuleView, rule_for
-from ulysses_compile.runtime import attention_output, flash_attention, flash_attention_varlen
-from ulysses_compile.sharding import (
+from ulysses_compile.core.runtime import attention_output, flash_attention, flash_attention_varlen
+from ulysses_compile.core.sharding import (
     PARTIAL,
     REPLICATE,
     MergedShard,

@@ -14,7 +14,7 @@ from multirank import compare_model, run_ranks
 from sequence_models import break_around, graph_break_gpt, sequence_first
 from graphs import calls, rewritten_graphs
 from ulysses_compile import RankMismatchError
-from ulysses_compile.collectives import average_grad, heads_to_seq, scatter_seq, seq_to_heads, seq_to_heads_qkv
+from ulysses_compile.core.collectives import average_grad, heads_to_seq, scatter_seq, seq_to_heads, seq_to_heads_qkv
 
 
 def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
@@ -176,7 +176,7 @@ def _compiled_counting_graphs(model, **compile_kwargs):
 
 
 def test_changing_lengths_share_a_symbolic_graph_per_remainder_class(fake_group):
-    from ulysses_compile.sharding import block_sizes
+    from ulysses_compile.core.sharding import block_sizes
 
     fake_group(4, rank=3)
     compiled, graphs = _compiled_counting_graphs(tiny_llama(layers=1))

@@ -20,9 +20,9 @@ from multirank import assert_close, compare_model, run_ranks
 from sequence_models import graph_break_gpt
 from zero_memory import collectives_by_kind
 
-from ulysses_compile.boundary import GatheredOnUse, SequenceBlocks
-from ulysses_compile.compat import BackendCompilerFailed
-from ulysses_compile.errors import CollectiveError, UnsupportedError
+from ulysses_compile.core.boundary import GatheredOnUse, SequenceBlocks
+from ulysses_compile.core.compat import BackendCompilerFailed
+from ulysses_compile.core.errors import CollectiveError, UnsupportedError
 
 DTENSORS = {"outputs": "dtensor"}
 

@@ -13,8 +13,8 @@ from expecttest import assert_expected_inline
 from graphs import calls, rewritten_graphs, sent_to_heads
 from models import MeanPooledClassifier, model_zoo, token_batch, tiny_gpt2, tiny_llama, zoo_inputs
 from ulysses_compile import DivisibilityError, UnsupportedError
-from ulysses_compile.boundary import SequenceBlocks
-from ulysses_compile.collectives import (
+from ulysses_compile.core.boundary import SequenceBlocks
+from ulysses_compile.core.collectives import (
     gather_kv_heads,
     gather_seq,
     heads_to_seq,
@@ -24,7 +24,7 @@ from ulysses_compile.collectives import (
     seq_to_heads_qkv,
     sync_grad,
 )
-from ulysses_compile.sharding import is_rank_local, sharding_of
+from ulysses_compile.core.sharding import is_rank_local, sharding_of
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -124,21 +124,21 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : t
     l_x_ = L_x_
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
-    sync_grad_1 = ulysses_compile_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
-    sync_grad = ulysses_compile_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-    scatter_seq = ulysses_compile_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
+    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
+    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
+    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
     linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
     view = linear.view((2, 4, 3, 2, 8))
     permute = view.permute(2, 0, 3, 1, 4)
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    seq_to_heads_qkv = ulysses_compile_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
+    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
     getitem_3 = seq_to_heads_qkv[0]
     getitem_4 = seq_to_heads_qkv[1]
     getitem_5 = seq_to_heads_qkv[2]
     y = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
-    heads_to_seq = ulysses_compile_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
+    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
     transpose = heads_to_seq.transpose(1, 2)
     reshape = transpose.reshape((2, 4, 16))
     linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
@@ -239,7 +239,7 @@ def test_mean_over_the_sequence_is_a_partial_sum(fake_group):
 def test_a_cumsum_is_completed_once_for_all_its_readers(fake_group):
     from op_probes import PROBES
 
-    from ulysses_compile.collectives import add_previous_ranks_totals
+    from ulysses_compile.core.collectives import add_previous_ranks_totals
 
     fake_group(2)
     (gm,) = rewritten_graphs(PROBES["cumsum_in_place_reused"](), (torch.randint(0, 32, (2, 16)),))
@@ -293,7 +293,7 @@ def test_parts_of_a_localized_op_stay_in_its_checkpointed_region(fake_group):
 
     from op_probes import Probe
 
-    from ulysses_compile.compat import recompute_region
+    from ulysses_compile.core.compat import recompute_region
 
     class Checkpointed(Probe):
         def forward(self, ids):
@@ -397,7 +397,7 @@ def test_attention_with_sinks_is_parallel_from_the_embedding_on(fake_group):
     site, so what feeds q, k and v (the embedding) stays sequence-sharded, and the sinks follow the heads."""
     from op_probes import PROBES
 
-    from ulysses_compile.collectives import scatter_seq
+    from ulysses_compile.core.collectives import scatter_seq
 
     fake_group(2)
     (gm,) = rewritten_graphs(PROBES["attention_sinks"](), (torch.randint(0, 32, (2, 15)),))

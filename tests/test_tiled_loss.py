@@ -1,4 +1,4 @@
-"""The token loss over the LM head runs in chunks of rows (``passes/tile_token_loss.py``,
+"""The token loss over the LM head runs in chunks of rows (``ulysses_compile/passes/tile_token_loss.py``,
 ``runtime.token_loss_sum``): the loss and every gradient equal eager's, in one chunk bit for bit, in
 many within fp32's rounding; the pass replaces the model's ``cross_entropy`` at P = 2 and 4."""
 
@@ -15,9 +15,9 @@ from graphs import reporting_backend
 from models import VOCAB, tiny_llama, token_batch
 from multirank import assert_close, compare_model, run_ranks
 
-import ulysses_compile.runtime as runtime
-from ulysses_compile.collectives import gather_parameter, sync_grad
-from ulysses_compile.errors import UnsupportedError
+import ulysses_compile.core.runtime as runtime
+from ulysses_compile.core.collectives import gather_parameter, sync_grad
+from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.zero import compile_partitioned
 
 

@@ -1,4 +1,4 @@
-"""The gated MLP runs in chunks of rows (``passes/tile_mlp.py``, ``runtime.tiled_gated_mlp``): outputs
+"""The gated MLP runs in chunks of rows (``ulysses_compile/passes/tile_mlp.py``, ``runtime.tiled_gated_mlp``): outputs
 and every gradient equal eager's; by default in checkpointed layers, every MLP with ``tile_mlp=True``,
 none with ``False``; inside the parallelized program at P = 2 and 4."""
 
@@ -14,8 +14,8 @@ from graphs import reporting_backend
 from models import tiny_llama, token_batch
 from multirank import assert_close, compare_model, run_ranks
 
-import ulysses_compile.runtime as runtime
-from ulysses_compile.compat import ulysses_tracing
+import ulysses_compile.core.runtime as runtime
+from ulysses_compile.core.compat import ulysses_tracing
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

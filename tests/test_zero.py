@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from ulysses_compile import OptionsError, UlyssesError, UnsupportedError, full_state_dict, parallelize
-from ulysses_compile.sharding import shard_rows
+from ulysses_compile.core.sharding import shard_rows
 
 
 def _step(model, optimizer, batches, replica: int = 0):
@@ -100,7 +100,7 @@ def inductor_buckets_each_layers_collectives(rank, world_size):
     import re
 
     from multirank import compare_model
-    from ulysses_compile.compat import run_and_get_code
+    from ulysses_compile.core.compat import run_and_get_code
     from zero_memory import collective_schedule, overlapped
 
     layers = 2
@@ -327,7 +327,7 @@ def _collective_dtypes(graph, op) -> list[torch.dtype]:
 
 def test_parameters_are_gathered_inside_the_graph(fake_group):
     from graphs import calls
-    from ulysses_compile.collectives import gather_parameter, seq_to_heads, seq_to_heads_qkv
+    from ulysses_compile.core.collectives import gather_parameter, seq_to_heads, seq_to_heads_qkv
 
     fake_group(2)
     model = tiny_llama(layers=1)
@@ -357,7 +357,7 @@ def test_stage_three_under_inductor_with_checkpointing_gathers_every_layer_again
     a 24-layer rank held all 24 layers' parameters at its peak.)"""
     import re
 
-    from ulysses_compile.compat import run_and_get_code
+    from ulysses_compile.core.compat import run_and_get_code
 
     fake_group(2)
     layers = 2

@@ -118,7 +118,7 @@ def sweep_row(model_type: str, impl: str) -> Row:
     import torch
 
     from ulysses_compile.backend import ulysses
-    from ulysses_compile.errors import UlyssesError
+    from ulysses_compile.core.errors import UlyssesError
 
     row, started = Row(model_type, impl), time.monotonic()
     torch.compiler.reset()

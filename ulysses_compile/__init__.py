@@ -1,9 +1,9 @@
 """ulysses_compile: ``torch.compile(model, backend="ulysses")`` runs DeepSpeed-Ulysses sequence
 parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
 
-from .backend import ulysses
-from .data import SequenceParallelLoader
-from .errors import (
+from ulysses_compile.backend import ulysses
+from ulysses_compile.data import SequenceParallelLoader
+from ulysses_compile.core.errors import (
     CollectiveError,
     DivisibilityError,
     InternalError,
@@ -13,10 +13,10 @@ from .errors import (
     UnsupportedError,
     VerificationError,
 )
-from .explain import explain
-from .options import Options
-from .report import Report
-from .zero import full_state_dict, parallelize, save_pretrained
+from ulysses_compile.explain import explain
+from ulysses_compile.core.options import Options
+from ulysses_compile.core.report import Report
+from ulysses_compile.zero import full_state_dict, parallelize, save_pretrained
 
 __all__ = [
     "CollectiveError",

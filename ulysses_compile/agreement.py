@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .boundary import GatheredOnUse
-from .collectives import gather_objects
-from .compat import _resolve_process_group, is_fake, process_group_timeout
-from .errors import CollectiveError, RankMismatchError, is_collective_failure
+from ulysses_compile.core.boundary import GatheredOnUse
+from ulysses_compile.core.collectives import gather_objects
+from ulysses_compile.core.compat import _resolve_process_group, is_fake, process_group_timeout
+from ulysses_compile.core.errors import CollectiveError, RankMismatchError, is_collective_failure
 
 log = logging.getLogger("ulysses_compile")
 

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.fx as fx
 
-from .agreement import InputCheck, fingerprint, guarded, input_names
-from .compat import (
+from ulysses_compile.agreement import InputCheck, fingerprint, guarded, input_names
+from ulysses_compile.core.compat import (
     CompileContext,
     aot_autograd,
     boxed_nop,
@@ -25,17 +25,17 @@ from .compat import (
     no_graph_cse,
     orig_code_map,
 )
-from .boundary import leave_sharded, refuse_dtensor_inputs
-from .collectives import gather_parameter
-from .compiled_calls import CompiledCall, counted
-from .context import PassContext
-from .errors import UnsupportedError
-from .options import Options
-from .passes.bucket_zero_gathers import BucketZeroGathers, zero_unit
-from .sharding import SHARDS
-from .pipeline import one_rank_rewrites, run_pipeline
-from .report import GraphReport, layer_of
-from .verify import verified, verified_short
+from ulysses_compile.core.boundary import leave_sharded, refuse_dtensor_inputs
+from ulysses_compile.core.collectives import gather_parameter
+from ulysses_compile.compiled_calls import CompiledCall, counted
+from ulysses_compile.core.context import PassContext
+from ulysses_compile.core.errors import UnsupportedError
+from ulysses_compile.core.options import Options
+from ulysses_compile.passes.bucket_zero_gathers import BucketZeroGathers, zero_unit
+from ulysses_compile.core.sharding import SHARDS
+from ulysses_compile.passes.pipeline import one_rank_rewrites, run_pipeline
+from ulysses_compile.core.report import GraphReport, layer_of
+from ulysses_compile.verify import verified, verified_short
 
 log = logging.getLogger("ulysses_compile")
 
@@ -174,7 +174,7 @@ _GATHER_SIGNATURE = inspect.signature(gather_parameter)
 def bucketing(gm: fx.GraphModule) -> dict:
     """Inductor's bucketing of collectives that run one after another in graph order (the same on every
     rank): the gradients' all-reduces in one bucket (every gradient is kept anyway); ZeRO's parameter
-    all-gathers one per layer (``passes/regather_parameters.py`` marked each with its layer), as FSDP
+    all-gathers one per layer (``ulysses_compile/passes/regather_parameters.py`` marked each with its layer), as FSDP
     gathers a wrapped layer at once, where its first parameter is read; ZeRO's reduce-scatters (no other
     op reduce-scatters) in buckets of the largest layer's gradients, so a full gradient lives until its
     bucket's reduce-scatter, not the whole step. The results are the same elementwise; the ranks meet

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import UlyssesError
-from .verify import RTOL, compare, differentiable_scalar, named_tensors
-from .zero import parallelize
+from ulysses_compile.core.errors import UlyssesError
+from ulysses_compile.verify import RTOL, compare, differentiable_scalar, named_tensors
+from ulysses_compile.zero import parallelize
 
 FACTORY_HELP = "FILE.py:FACTORY, where FACTORY() returns (model, args, kwargs)"
 
@@ -76,7 +76,7 @@ def build(spec: str, **factory_kwargs):
 
 
 def _explain(arguments) -> int:
-    from .explain import explain
+    from ulysses_compile.explain import explain
 
     started = time.perf_counter()
     lengths = {} if arguments.seq_len is None else {"seq_len": arguments.seq_len}

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from .compat import ulysses_tracing, dynamo_counters, first_line
+from ulysses_compile.core.compat import ulysses_tracing, dynamo_counters, first_line
 
 log = logging.getLogger("ulysses_compile")
 

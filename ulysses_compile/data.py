@@ -21,10 +21,10 @@ from collections.abc import Mapping
 
 import torch
 
-from .collectives import gather_objects
-from .compat import tree_leaves, tree_map
-from .errors import OptionsError, RankMismatchError
-from .options import Options
+from ulysses_compile.core.collectives import gather_objects
+from ulysses_compile.core.compat import tree_leaves, tree_map
+from ulysses_compile.core.errors import OptionsError, RankMismatchError
+from ulysses_compile.core.options import Options
 
 
 class _Ended:

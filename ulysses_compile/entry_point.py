@@ -3,8 +3,8 @@ point. Loading it makes torch.compile enter the backend's context around each ca
 (``compat.honour_backend_contexts``), which torch.compile otherwise drops; the package itself does not
 import this module, so ``import ulysses_compile`` changes nothing in torch."""
 
-from .backend import ulysses
-from .compat import honour_backend_contexts
+from ulysses_compile.backend import ulysses
+from ulysses_compile.core.compat import honour_backend_contexts
 
 honour_backend_contexts()
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .backend import aot, reduce_scatter_bucket_mib, rewrite
-from .boundary import leave_sharded
-from .compat import (
+from ulysses_compile.backend import aot, reduce_scatter_bucket_mib, rewrite
+from ulysses_compile.core.boundary import leave_sharded
+from ulysses_compile.core.compat import (
     BackendCompilerFailed,
     FakeTensorMode,
     buffer_slots,
@@ -46,15 +46,15 @@ from .compat import (
     tree_leaves,
     tree_map,
 )
-from .errors import UlyssesError
-from .memory import GraphMemory, StepMemory
-from .passes.bucket_zero_gathers import inductor_buckets
-from .options import Options
-from .report import CollectiveCall, Report, SiteReport, module_path
-from .sharding import block_sizes, sharding_of
-from .sizes import as_int, is_symbolic, same_size
-from .verify import differentiable_scalar
-from .zero import compile_partitioned
+from ulysses_compile.core.errors import UlyssesError
+from ulysses_compile.core.memory import GraphMemory, StepMemory
+from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
+from ulysses_compile.core.options import Options
+from ulysses_compile.core.report import CollectiveCall, Report, SiteReport, module_path
+from ulysses_compile.core.sharding import block_sizes, sharding_of
+from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
+from ulysses_compile.verify import differentiable_scalar
+from ulysses_compile.zero import compile_partitioned
 
 FAKE_NOTE = "explained on fake tensors (the model or its inputs are on the meta device): no value was computed"
 

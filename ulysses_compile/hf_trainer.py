@@ -32,9 +32,9 @@ import inspect
 
 from transformers import Trainer, TrainingArguments
 
-from .data import SequenceParallelLoader
-from .errors import OptionsError
-from .zero import parallelize, save_pretrained
+from ulysses_compile.data import SequenceParallelLoader
+from ulysses_compile.core.errors import OptionsError
+from ulysses_compile.zero import parallelize, save_pretrained
 
 _TRAINER_PARAMETERS = frozenset(inspect.signature(Trainer.__init__).parameters)
 

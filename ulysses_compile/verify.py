@@ -12,15 +12,15 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .agreement import input_names
-from .boundary import computed_outputs
-from .collectives import average_grad, gather_objects, mean_over_group, take_block
-from .compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr
-from .errors import OptionsError, VerificationError
-from .random_draws import random_draw
-from .report import module_path
-from .sharding import seq_factors, sharding_of
-from .sizes import is_symbolic
+from ulysses_compile.agreement import input_names
+from ulysses_compile.core.boundary import computed_outputs
+from ulysses_compile.core.collectives import average_grad, gather_objects, mean_over_group, take_block
+from ulysses_compile.core.compat import _resolve_process_group, bind_symbols, guards_hold, symbolic_expr
+from ulysses_compile.core.errors import OptionsError, VerificationError
+from ulysses_compile.core.random_draws import random_draw
+from ulysses_compile.core.report import module_path
+from ulysses_compile.core.sharding import seq_factors, sharding_of
+from ulysses_compile.core.sizes import is_symbolic
 
 log = logging.getLogger("ulysses_compile")
 

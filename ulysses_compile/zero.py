@@ -43,12 +43,12 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .agreement import agree_on_module_state
-from .collectives import gather_parameter
-from .compat import ulysses_tracing, honour_backend_contexts, parameter_slots, running_backward
-from .errors import OptionsError, UlyssesError, UnsupportedError
-from .options import Options
-from .sharding import SHARDS, shard_rows
+from ulysses_compile.agreement import agree_on_module_state
+from ulysses_compile.core.collectives import gather_parameter
+from ulysses_compile.core.compat import ulysses_tracing, honour_backend_contexts, parameter_slots, running_backward
+from ulysses_compile.core.errors import OptionsError, UlyssesError, UnsupportedError
+from ulysses_compile.core.options import Options
+from ulysses_compile.core.sharding import SHARDS, shard_rows
 
 ZERO_STAGES = (0, 1, 2, 3)
 _RETIRED = WeakIdKeyDictionary()  # the full parameters parallelize replaced; an optimizer must not hold them

@@ -1,1 +1,0 @@
-"""The rewrite passes, one module each; installed as ``ulysses_compile.passes``."""

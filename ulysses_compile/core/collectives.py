@@ -1,0 +1,390 @@
+"""The only place that creates communication: the functions that rewritten graphs call, and the nodes.
+
+Each function is an ordinary differentiable torch function built from torch's functional collectives
+(``_c10d_functional`` ops followed by ``wait_tensor``), so AOTAutograd traces it into the forward graph,
+derives its backward, and Inductor sees (and can reorder) real collective ops. Blocks follow
+``sharding.block_sizes``: balanced, uneven when P does not divide the dim. The backward of each
+placement change is chosen so that every rank ends up with single-device gradients:
+
+===================  =========================  ======================================================
+function             forward                    backward
+===================  =========================  ======================================================
+scatter_seq          R -> S: keep my block      S -> R: all-gather (the gradient is whole everywhere)
+gather_kv_heads      S -> whole KV heads        reduce-scatter (ranks sharing a head sum its gradient)
+add_previous_ranks_  cumsum over the sequence   reduce-scatter of the totals' gradients
+totals
+gather_seq           S -> R: all-gather         R -> S: keep my block of the (replicated) gradient
+reduce_partial       P -> R: all-reduce(sum)    identity (each partial term gets the full gradient)
+sync_grad            identity                   all-reduce(sum): a replicated value used by sharded
+                                                ops only receives its rank's share of the gradient
+average_grad         identity                   all-reduce(sum) / D over the data-parallel replicas
+gather_parameter     ZeRO shard -> parameter:   reduce-scatter(sum) / N into the shards (N: every
+                     all-gather                 rank holding a shard, data x sequence), or / D of
+                                                the sequence ranks' shares (sync_grad merged in)
+seq_to_heads         S(seq) -> S(heads)         the inverse all-to-all (autograd of all_to_all_single)
+seq_to_heads_qkv     the same for q, k and v    one inverse all-to-all
+                     in one all-to-all
+heads_to_seq         S(heads) -> S(seq)         the inverse all-to-all
+===================  =========================  ======================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.compat import c10d_functional
+from ulysses_compile.core.sharding import block_range, block_sizes
+from ulysses_compile.core.sizes import is_symbolic, size_arg
+
+__all__ = [
+    "COLLECTIVES",
+    "add_previous_ranks_totals",
+    "average_grad",
+    "gather_blocks",
+    "gather_kv_heads",
+    "gather_objects",
+    "gather_parameter",
+    "gather_rows",
+    "gather_seq",
+    "heads_to_seq",
+    "insert_call",
+    "reduce_partial",
+    "scatter_seq",
+    "seq_to_heads",
+    "seq_to_heads_qkv",
+    "sync_grad",
+]
+
+
+def _all_gather_dim0(x: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    out = c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, group_name)
+    return c10d_functional.wait_tensor(out)
+
+
+def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return c10d_functional.wait_tensor(c10d_functional.all_reduce(x.contiguous(), "sum", group_name))
+
+
+def _split_seq(shape, dim: int, outer: int, inner: int) -> list[int]:
+    """``shape`` with dim ``dim`` written as ``[outer, seq, inner]``."""
+    seq = shape[dim] // (outer * inner)
+    return [*shape[:dim], outer, seq, inner, *shape[dim + 1 :]]
+
+
+def _merge_seq(split: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(split.shape)
+    shape[dim : dim + 3] = [shape[dim] * shape[dim + 1] * shape[dim + 2]]
+    return split.reshape(shape)
+
+
+def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
+    """This rank's sequence block of a whole tensor (no communication)."""
+    split = x.reshape(_split_seq(x.shape, dim, outer, inner))
+    start, size = block_range(split.shape[dim + 1], world_size, rank)
+    return _merge_seq(split.narrow(dim + 1, start, size), dim)
+
+
+def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size) -> torch.Tensor:
+    """The flat position, in a contiguous whole tensor of ``shape``, of every element of this rank's
+    sequence block ``block`` (int64, ``block``'s shape): computed from aranges of the block's sizes, so
+    nothing of the whole tensor's size is made."""
+    split = _split_seq(block.shape, dim, outer, inner)
+    whole = _split_seq(shape, dim, outer, inner)
+    start, _ = block_range(whole[dim + 1], world_size, rank)
+    positions = torch.zeros((), dtype=torch.int64, device=block.device)
+    stride = 1
+    for axis in reversed(range(len(split))):
+        index = torch.arange(split[axis], dtype=torch.int64, device=block.device)
+        index = index + start if axis == dim + 1 else index
+        positions = positions + (index * stride).view([-1] + [1] * (len(split) - 1 - axis))
+        stride = stride * whole[axis]
+    return positions.reshape(block.shape)
+
+
+def _all_equal(sizes) -> bool:
+    """Blocks known to be of one size. Blocks of a symbolic length count as uneven (padding or split
+    sizes of 0 cost little), so the graph holds for every length without a guard."""
+    return not any(is_symbolic(size) for size in sizes) and len(set(sizes)) == 1
+
+
+def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
+    """``gather_seq``'s forward alone (no autograd): every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
+    the largest, as all-gather needs equal sizes."""
+    sizes = block_sizes(length, world_size)
+    split = x.reshape(_split_seq(x.shape, dim, outer, inner))
+    seq_axis = dim + 1
+    even = _all_equal(sizes)
+    if not even:
+        padding = list(split.shape)
+        padding[seq_axis] = sizes[0] - split.shape[seq_axis]
+        split = torch.cat([split, split.new_zeros(padding)], seq_axis)
+    gathered = _all_gather_dim0(split.movedim(seq_axis, 0), world_size, group_name)
+    # gathered: [P * block, ...rest] with the ranks' blocks in rank order along dim 0
+    if not even:
+        gathered = torch.cat([gathered.narrow(0, rank * sizes[0], size) for rank, size in enumerate(sizes)])
+    return _merge_seq(gathered.movedim(0, seq_axis), dim).contiguous()
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """An input that holds its blocks (``boundary.GatheredOnUse``, a compiled graph's sequence-sharded
+    output passed to the next compiled graph) gives this rank's block without a gather, and its
+    gradient goes back the same way, as the blocks of a whole gathered only if read. Found by its
+    ``own_block`` method: ``boundary`` builds on this module, not the other way round."""
+
+    @staticmethod
+    def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
+        length = x.shape[dim] // (outer * inner)
+        ctx.args = (dim, outer, inner, length, world_size, group_name)
+        own_block = getattr(x, "own_block", None)
+        block = own_block(dim, outer, inner, rank, world_size, group_name) if own_block else None
+        if block is None:
+            ctx.lazy_whole = None
+            return take_block(x, dim, outer, inner, rank, world_size).contiguous()
+        ctx.lazy_whole = x.lazy_whole_of()
+        return block.view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = ctx.lazy_whole(grad.contiguous()) if ctx.lazy_whole else gather_blocks(grad, *ctx.args)
+        return (whole, None, None, None, None, None, None)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, outer, inner, length, rank, world_size, group_name):
+        ctx.args = (dim, outer, inner, rank, world_size)
+        return gather_blocks(x, dim, outer, inner, length, world_size, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None, None)
+
+
+class _ReducePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name):
+        return _all_reduce_sum(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over a group and divides it by ``divisor``."""
+
+    @staticmethod
+    def forward(ctx, x, group_name, divisor):
+        ctx.group_name, ctx.divisor = group_name, divisor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _all_reduce_sum(grad, ctx.group_name)
+        return (total if ctx.divisor == 1 else total / ctx.divisor), None, None
+
+
+def mean_over_group(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """The mean of ``x`` over a group's ranks (outside autograd)."""
+    return _all_reduce_sum(x, group_name) / group_size
+
+
+def average_grad(x, group_name: str, group_size: int):
+    """Identity whose backward averages the gradient over the data-parallel replicas (DDP's rule)."""
+    return _ReduceGrad.apply(x, group_name, group_size)
+
+
+def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int, group_name: str):
+    """Replicate -> this rank's sequence block (``Shard`` or ``MergedShard``)."""
+    return _ScatterSeq.apply(x, dim, outer, inner, rank, world_size, group_name)
+
+
+def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank: int, world_size: int, group_name: str):
+    """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
+    return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
+
+
+def gather_rows(row: list[int], device, world_size: int, group_name: str) -> list[list[int]]:
+    """Every rank's ``row`` of small integers, in rank order (one all-gather of a tensor)."""
+    mine = torch.tensor([row], dtype=torch.int64, device=device)
+    return _all_gather_dim0(mine, world_size, group_name).tolist()
+
+
+def reduce_partial(x, group_name: str):
+    """Partial sums -> their total on every rank."""
+    return _ReducePartial.apply(x, group_name)
+
+
+def sync_grad(x, group_name: str):
+    """Identity whose backward sums the ranks' gradients of a replicated value."""
+    return _ReduceGrad.apply(x, group_name, 1)
+
+
+def _all_to_all(chunks: list[list[torch.Tensor]], received_shapes: list[list[list[int]]],
+                group_name: str) -> list[list[torch.Tensor]]:
+    """Send the tensors ``chunks[j]`` to rank j; return what each rank j sent here, shaped
+    ``received_shapes[j]``. all_to_all_single has autograd registered by torch: its backward is the
+    inverse all-to-all."""
+    flat = torch.cat([chunk.reshape(-1) for sent in chunks for chunk in sent])
+    received = [[math.prod(shape) for shape in shapes] for shapes in received_shapes]
+    out = c10d_functional.all_to_all_single(flat, [sum(numels) for numels in received],
+                                            [sum(chunk.numel() for chunk in sent) for sent in chunks], group_name)
+    pieces = c10d_functional.wait_tensor(out).split([sum(numels) for numels in received])
+    return [[part.view(shape) for part, shape in zip(piece.split(numels), shapes)]
+            for piece, numels, shapes in zip(pieces, received, received_shapes)]
+
+
+def _reshard(xs: list, from_dim: int, to_dim: int, from_lengths: list, rank: int, world_size: int,
+             group_name: str) -> list[torch.Tensor]:
+    """Each of ``xs`` holds this rank's block of ``from_dim`` (global size ``from_lengths[i]``) and all
+    of ``to_dim``; each result holds all of ``from_dim`` and this rank's block of ``to_dim``, all by one
+    all-to-all. Blocks may be uneven."""
+    to_sizes = [block_sizes(x.shape[to_dim], world_size) for x in xs]
+    from_sizes = [block_sizes(length, world_size) for length in from_lengths]
+    if all(_all_equal(sizes) for sizes in to_sizes + from_sizes):
+        return _reshard_even(xs, from_dim, to_dim, world_size, group_name)
+    chunks = [list(x.split(sizes, to_dim)) for x, sizes in zip(xs, to_sizes)]
+
+    def received_shape(i, source):
+        shape = list(xs[i].shape)
+        shape[to_dim], shape[from_dim] = to_sizes[i][rank], from_sizes[i][source]
+        return shape
+
+    pieces = _all_to_all([[split[j] for split in chunks] for j in range(world_size)],
+                         [[received_shape(i, j) for i in range(len(xs))] for j in range(world_size)], group_name)
+    return [torch.cat([pieces[j][i] for j in range(world_size)], from_dim) for i in range(len(xs))]
+
+
+def _reshard_even(xs: list, from_dim: int, to_dim: int, world_size: int, group_name: str) -> list[torch.Tensor]:
+    chunks = []  # each [P, ...]: chunk j goes to rank j
+    for x in xs:
+        size = x.shape[to_dim]
+        chunks.append(x.reshape([*x.shape[:to_dim], world_size, size // world_size, *x.shape[to_dim + 1 :]])
+                      .movedim(to_dim, 0))
+    sent = chunks[0].contiguous() if len(xs) == 1 else torch.cat([c.reshape(world_size, -1) for c in chunks], 1)
+    rows = [1] * world_size
+    received = c10d_functional.wait_tensor(c10d_functional.all_to_all_single(sent, rows, rows, group_name))
+    parts = [received] if len(xs) == 1 else [part.reshape(chunk.shape) for part, chunk in
+                                             zip(received.split([c[0].numel() for c in chunks], 1), chunks)]
+    results = []
+    for part in parts:
+        joined = part.movedim(0, from_dim)  # rank j's block of from_dim becomes its outer factor
+        shape = list(joined.shape)
+        shape[from_dim : from_dim + 2] = [shape[from_dim] * shape[from_dim + 1]]
+        results.append(joined.reshape(shape))
+    return results
+
+
+def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_size: int, group_name: str):
+    """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence (of global length
+    ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all."""
+    return _reshard([x], seq_dim, head_dim, [seq_len], rank, world_size, group_name)[0]
+
+
+def seq_to_heads_qkv(query, key, value, seq_dim: int, head_dim: int, seq_len: int, kv_seq_len: int, rank: int,
+                     world_size: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`seq_to_heads` of an attention's query, key and value (of lengths ``seq_len``,
+    ``kv_seq_len``) in one all-to-all: one buffer, one meeting of the ranks instead of three, the same
+    bytes. Its backward is one all-to-all as well."""
+    return tuple(_reshard([query, key, value], seq_dim, head_dim, [seq_len, kv_seq_len, kv_seq_len], rank,
+                          world_size, group_name))
+
+
+def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
+    """The inverse of :func:`seq_to_heads`: the same all-to-all with the two dims' roles swapped."""
+    return _reshard([x], head_dim, seq_dim, [heads], rank, world_size, group_name)[0]
+
+
+def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tuple[int, ...], rank: int,
+                    world_size: int, group_name: str):
+    """``[.., Hkv, .., S/P, ..]`` -> the whole sequence of the KV heads ``kv_index`` (one per query
+    head of this rank, in order): for fewer KV heads than ranks, or KV heads that do not split like the
+    query heads. Ranks sharing a KV head each hold part of its gradient, so the backward is the
+    all-gather's: a reduce-scatter that sums them."""
+    whole = gather_blocks(x, seq_dim, 1, 1, seq_len, world_size, group_name)
+    first = kv_index[0]
+    if list(kv_index) == list(range(first, first + len(kv_index))):
+        return whole.narrow(head_dim, first, len(kv_index))
+    return whole.index_select(head_dim, torch.tensor(kv_index, device=x.device))
+
+
+def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int, group_name: str):
+    """A cumulative sum along the sharded sequence: this rank's local cumsum plus the totals of the
+    ranks before it (their blocks come first). Gradients reach those ranks through the all-gather's
+    reduce-scatter backward."""
+    totals = local_cumsum.narrow(dim, local_cumsum.shape[dim] - 1, 1)
+    gathered = _all_gather_dim0(totals.unsqueeze(0), world_size, group_name)
+    return local_cumsum + gathered[:rank].sum(0)
+
+
+class _GatherParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, shape, group_name, group_size, param_dtype, reduce_dtype, grad_divisor):
+        ctx.args = (group_name, group_size, shard.dtype, reduce_dtype, group_size if grad_divisor is None else grad_divisor)
+        shard = shard.to(param_dtype or shard.dtype)
+        if not shape:  # a 0-d parameter, held whole
+            return shard.clone()
+        return _all_gather_dim0(shard, group_size, group_name).narrow(0, 0, shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        group_name, group_size, shard_dtype, reduce_dtype, grad_divisor = ctx.args
+        grad = grad.to(reduce_dtype or grad.dtype)
+        if grad.dim() == 0:
+            summed = _all_reduce_sum(grad, group_name)
+        else:
+            rows = -(-grad.shape[0] // group_size)
+            padded = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1) + [0, rows * group_size - grad.shape[0]])
+            summed = c10d_functional.wait_tensor(
+                c10d_functional.reduce_scatter_tensor(padded.contiguous(), "sum", group_size, group_name))
+        return (summed / grad_divisor).to(shard_dtype), None, None, None, None, None, None
+
+
+@torch.compiler.allow_in_graph
+def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size: int,
+                     regather_in_backward: bool = False, param_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None, grad_divisor: int | None = None):
+    """A ZeRO shard (this rank's rows of dim 0, ``sharding.shard_rows``, padded to the largest block)
+    -> the full parameter of ``shape``, cast to ``param_dtype`` before the all-gather (mixed precision halves its bytes in bf16).
+    Backward: the gradient, cast to ``reduce_dtype``, reduce-scattered into the shards, divided by
+    ``grad_divisor`` (default N) and cast to the shard's dtype. Where every rank's gradient of the full
+    parameter is the same whole gradient (``sync_grad`` summed the sequence ranks' shares), dividing by
+    N leaves one copy per data-parallel replica, averaged as DDP does; where each rank holds only its
+    share (ulysses_compile/passes/merge_gradient_reductions.py removed the ``sync_grad``), the divisor is the number of
+    replicas. A 0-d parameter is held whole: its gradient is all-reduced and divided the same way.
+    ``regather_in_backward`` (ZeRO stage 3) is read by ulysses_compile/passes/regather_parameters.py."""
+    return _GatherParameter.apply(local, tuple(shape), group_name, group_size, param_dtype, reduce_dtype,
+                                  grad_divisor)
+
+
+COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,
+               heads_to_seq, gather_kv_heads,
+               add_previous_ranks_totals)
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order: a check outside the compiled graphs."""
+    gathered = [None] * group.size()
+    torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:
+    """Create a call of one of this module's functions at a point; never among the placeholders.
+    Arguments after the tensor are passed by keyword, so the graph code reads what each one is."""
+    if after is not None and after.op == "placeholder":
+        after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    anchor = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
+    names = list(inspect.signature(fn).parameters)[1:]
+    with anchor:
+        node = graph.call_function(fn, args[:1])
+    node.kwargs = dict(zip(names, size_arg(graph, args[1:], before=node)))
+    # AOTAutograd copies "custom" and the module stack onto the ops it traces from this node (explain).
+    node.meta["custom"] = {"ulysses_collective": fn.__name__}
+    if isinstance(args[0], fx.Node) and "nn_module_stack" in args[0].meta:
+        node.meta["nn_module_stack"] = args[0].meta["nn_module_stack"]
+    return node

@@ -1,0 +1,53 @@
+"""What every pass receives and none changes: the group, this rank, the options, the parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.boundary import own_blocks
+from ulysses_compile.core.options import Options
+from ulysses_compile.core.sharding import SHARDS, Placement, seq_shard
+
+
+@dataclass(frozen=True)
+class PassContext:
+    world_size: int
+    rank: int
+    group_name: str
+    options: Options
+    parameters: frozenset[fx.Node]  # placeholders holding parameters, buffers and ZeRO shards
+    data_parallel: tuple[str, int] | None = None  # (group name, replicas) of the mesh's "dp" dim
+    outputs_to_caller: bool = False  # the graph's outputs go straight to the torch.compile caller (compat)
+    graph_break: str = ""  # why Dynamo ended the graph at a graph break, "" at a return (compat)
+    checkpointed_side_effect_break: str = ""  # a graph break Dynamo recorded inside a checkpointed region (compat)
+    # placeholders holding a graph's sequence-sharded output left lazily (``boundary.GatheredOnUse``) ->
+    # its placement: this rank's block is there without a gather
+    lazy_inputs: dict[fx.Node, Placement] = field(default_factory=dict)
+
+    @staticmethod
+    def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:
+        """Parameters, buffers and ZeRO shards, told by Dynamo's name of their source, which is the same
+        on every rank (whether a shard is an ``nn.Parameter`` view or a padded copy is not)."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = set()
+        for node, value in zip(placeholders, example_inputs):
+            name = node.target
+            if isinstance(value, torch.nn.Parameter) or any(
+                    source in name for source in ("_parameters_", "_buffers_", f"_dict{SHARDS}_")):
+                found.add(node)
+        return frozenset(found)
+
+    @staticmethod
+    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group) -> dict[fx.Node, Placement]:
+        """The placeholders whose value is a sequence-sharded output of a graph of this group, left
+        lazily and not read yet, with their placement."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = {}
+        for node, value in zip(placeholders, example_inputs):
+            factors = own_blocks(value, group.rank(), group.size(), group.group_name)
+            if factors is not None:
+                found[node] = seq_shard(*factors)
+        return found

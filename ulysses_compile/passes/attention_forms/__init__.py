@@ -1,0 +1,81 @@
+"""The ways a graph calls attention, one class per form, one file each.
+
+A form knows which nodes are its own (``reads``), how to read a site off one (``read``: an
+:class:`AttentionSite`, a reason it cannot be parallelized, or None when the node is no attention), how
+the site looks from outside to sharding propagation (its ``rules``: sequence-sharded q, k, v in, the
+output sequence-sharded), which inputs carry a heads dim (``per_head_inputs``), and what changes in
+the call once q, k and v hold the rank's heads for the whole sequence (``on_rank_heads``). The passes
+ask the site's form, never its name.
+
+Adding a form is one new file here (imported below) and one entry in ``tests/attention_forms.py``; the
+recipe is in docs/how-it-works.md.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
+
+from ulysses_compile.passes.attention_forms.site import AttentionSite, Slot, global_value_of, read_site, tensor_kinds, value_of
+
+__all__ = ["FORMS", "AttentionForm", "AttentionSite", "Slot", "global_value_of", "read_site", "reading_form", "value_of"]
+
+
+class AttentionForm:
+    targets: tuple = ()  # the targets of the nodes this form reads
+    # Inputs besides q, k, v that carry heads: role -> their heads dim counted from the end.
+    per_head_inputs: dict[str, int] = {}
+
+    def reads(self, node: fx.Node) -> bool:
+        return node.op in ("call_function", "call_method") and node.target in self.targets
+
+    def read(self, node: fx.Node) -> "AttentionSite | str | None":
+        """The site, or why the call runs whole (its sharding rule must then refuse it too), or None."""
+        raise NotImplementedError
+
+    def mask_kinds(self, site: AttentionSite) -> list[str]:
+        """What masks the attention beside ``is_causal``, for reports."""
+        return tensor_kinds((*site.side_inputs, *site.per_head_inputs().values()))
+
+    def output(self, site: AttentionSite) -> fx.Node:
+        """The node holding the attention's result on the rank's heads."""
+        return site.node
+
+    def on_rank_heads(self, site: AttentionSite, ctx) -> None:
+        """Rewrite the call for q, k, v that hold this rank's heads: per-head inputs narrowed to them."""
+        for role, from_end in self.per_head_inputs.items():
+            if role in site.slots:
+                narrow_heads(site.slots[role], site.node, from_end, ctx)
+
+
+def narrow_heads(slot: Slot, before: fx.Node, from_end: int, ctx) -> None:
+    """What enters ``slot``, narrowed to this rank's block of its heads dim (``from_end`` dims from its
+    last) where that dim is not broadcast."""
+    whole = slot.read()
+    if not isinstance(whole, fx.Node):
+        return
+    value = sharding_of(whole).global_value
+    head_dim = value.dim() - from_end
+    if head_dim >= 0 and value.shape[head_dim] != 1:
+        slot.write(rank_heads_of(whole, head_dim, before, ctx))
+
+
+def rank_heads_of(whole: fx.Node, head_dim: int, before: fx.Node, ctx) -> fx.Node:
+    """``whole`` narrowed to this rank's block of ``head_dim``, computed just before ``before``."""
+    value = sharding_of(whole).global_value
+    first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
+    with before.graph.inserting_before(before):
+        narrowed = before.graph.call_method("narrow", (whole, head_dim, first, count))
+    return place(narrowed, NodeSharding(Shard(head_dim), value))
+
+
+FORMS: list[AttentionForm] = []
+
+
+def reading_form(node: fx.Node) -> AttentionForm | None:
+    return next((form for form in FORMS if form.reads(node)), None)
+
+
+# Importing the forms fills FORMS.
+from ulysses_compile.passes.attention_forms import flash_attn, flex_attention, handwritten, sdpa  # noqa: E402,F401

@@ -1,0 +1,283 @@
+"""Attention written by hand: ``softmax(q @ k^T * scale [+ mask]) [dropout] @ v``, the products written
+with ``matmul``/``@``, ``bmm``, ``baddbmm`` (bias and scale inside) or ``einsum`` in any layout, through
+scales, masks, casts, dropout and joined sink columns. The form reads the softmax; the site's nodes from
+``q @ k^T`` to ``@ v`` run on the rank's heads (its ``region``, placed by propagation), and its result
+passes through ``attention_output``, an identity marking where the heads end, which becomes the
+all-to-all back to the sequence. Masks and biases it meets are kept whole."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.ops import CASTS, spellings
+from ulysses_compile.passes.rules import Decision, register
+from ulysses_compile.core.report import module_path
+from ulysses_compile.core.runtime import attention_output
+from ulysses_compile.core.sharding import Shard
+
+from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, AttentionSite, Slot, read_site, value_of
+
+SOFTMAX = spellings("softmax")
+MATMUL = spellings("matmul", "bmm")
+SCORES = MATMUL + spellings("baddbmm", "einsum")
+VALUES = MATMUL + spellings("einsum")
+# Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, logit soft-capping (Gemma 2's
+# cap * tanh(scores / cap)), casts, dropout.
+BETWEEN = (*spellings("mul", "div", "add", "sub", "masked_fill", "tanh", "contiguous", "dropout"), *CASTS)
+
+
+def _is(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
+
+
+def _mark_output(site: AttentionSite) -> fx.Node:
+    """The site's result passed through ``attention_output``, which marks where its heads end."""
+    node = site.node
+    with node.graph.inserting_after(node):
+        marker = node.graph.call_function(attention_output, (node, site.head_axis, site.seq_axis))
+    marker.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "stack_trace", "nn_module_stack")})
+    node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
+    return marker
+
+
+def _scores_matmul(node, side_inputs: list, depth: int = 0):
+    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales, masks and
+    joined sink columns; the other tensors met on the way (masks, biases, sinks) are appended to
+    ``side_inputs``."""
+    if _is(node, SCORES):
+        return node
+    joins = _joins_key_columns(node)
+    if depth > 6 or not (joins or _is(node, BETWEEN)):
+        return None
+    found = None
+    for arg in _tensors_joined(node) if joins else node.args:
+        if found is None and isinstance(arg, fx.Node):
+            found = _scores_matmul(arg, side_inputs, depth + 1)
+            if found is not None:
+                continue
+        if isinstance(arg, fx.Node):
+            side_inputs.append(arg)
+    return found
+
+
+def _computed_from(node: fx.Node, source: fx.Node, depth: int = 8) -> bool:
+    return node is source or depth > 0 and any(_computed_from(arg, source, depth - 1) for arg in node.all_input_nodes)
+
+
+def _joins_key_columns(node) -> bool:
+    """``torch.cat([scores, sinks], dim=-1)``: per-head sink logits joined as extra key columns (gpt-oss)."""
+    if not _is(node, spellings("cat", "concat", "concatenate")) or not isinstance(_tensors_joined(node), (tuple, list)):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return isinstance(dim, int) and dim % value_of(node).dim() == value_of(node).dim() - 1
+
+
+def _tensors_joined(node):
+    return node.args[0] if node.args else node.kwargs.get("tensors")
+
+
+def _drops_key_columns(node) -> bool:
+    """``probs[..., :-1]``: the sink columns dropped again after the softmax."""
+    if not _is(node, (operator.getitem,)) or not isinstance(node.args[1], tuple):
+        return False
+    *leading, last = node.args[1]
+    whole = all(index is Ellipsis or index == slice(None) for index in leading)
+    return whole and Ellipsis in leading and isinstance(last, slice) and last.start is None and last.step is None
+
+
+def _values_matmul(node, depth: int = 0):
+    """The probs @ v node that consumes a softmax result (through casts and dropout), and the probs."""
+    for user in node.users:
+        if _is(user, VALUES) and _probs_operand(user) is node:
+            return user
+        if depth < 4 and (_is(user, BETWEEN) or _drops_key_columns(user)) and user.args[0] is node:
+            found = _values_matmul(user, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _unread_attention(softmax: fx.Node) -> str | None:
+    """A softmax between two products that the forms above do not read (a reshape or an op between
+    them): why it runs replicated, or None when it is no such softmax (a router, a classifier)."""
+    before = _ops_to_product(softmax.args[0], lambda node: node.all_input_nodes, SCORES)
+    after = _ops_to_product(softmax, lambda node: list(node.users), VALUES)
+    if before is None or after is None:
+        return None
+    unread = sorted(op for op in (before | after) - _op_names([softmax]) if not _is_named(op, BETWEEN))
+    return (f"a softmax between two products, but not read as attention: {', '.join(unread) or 'its layout'} "
+            f"between them (heads merged with the batch, a reshape, or an op the recognizer does not know)")
+
+
+def _ops_to_product(node, neighbours, products, depth: int = 5) -> set[str] | None:
+    """The names of the ops on a short path from ``node`` to a product, or None when none is near."""
+    if _is(node, products):
+        return set()
+    if depth == 0 or not isinstance(node, fx.Node):
+        return None
+    for neighbour in neighbours(node):
+        found = _ops_to_product(neighbour, neighbours, products, depth - 1)
+        if found is not None:
+            return found | _op_names([node]) if node.op in ("call_function", "call_method") else found
+    return None
+
+
+def _is_named(name: str, targets) -> bool:
+    return any(getattr(target, "__name__", target) == name for target in targets)
+
+
+def _op_names(nodes) -> set[str]:
+    return {getattr(node.target, "__name__", str(node.target)) for node in nodes}
+
+
+def _probs_operand(node):
+    return node.args[1] if node.target is torch.einsum else node.args[0]
+
+
+def _transposed_last_dims(node):
+    """``k`` when ``node`` is ``k.transpose(-2, -1)`` (or ``swapaxes``; any spelling of the last two dims),
+    else None."""
+    if not _is(node, spellings("transpose", "swapaxes", "swapdims")) or len(node.args) < 3:
+        return None
+    source = node.args[0]
+    ndim = value_of(source).dim()
+    return source if {d % ndim for d in node.args[1:3]} == {ndim - 2, ndim - 1} else None
+
+
+@dataclass
+class _Operands:
+    """One matmul-like node of a hand-written attention, read as attention: its two operands, where
+    each enters the node, and the dims (head, sequence) of each tensor involved."""
+
+    first: fx.Node
+    second: fx.Node
+    slots: dict[str, Slot]  # "first", "second"
+    axes: dict  # "first"/"second"/"out" -> (head axis, sequence axis)
+    form: str
+
+
+def _einsum_operands(node, role: str) -> "_Operands | str":
+    """``einsum("bhqd,bhkd->bhqk", q, k)`` (scores) or ``einsum("bhqk,bhkd->bhqd", p, v)`` (values):
+    the letters tell which dims are heads, query and key positions, in any layout."""
+    if len(node.args) != 3 or not isinstance(node.args[0], str) or "..." in node.args[0]:
+        return "einsum with other than two operands spelled out"
+    inputs, _, out = node.args[0].replace(" ", "").partition("->")
+    left, right = inputs.split(",")
+    batch = [c for c in left if c in right and c in out]
+    if not batch:
+        return f"einsum {node.args[0]!r} has no head dim shared by both operands and the result"
+    head = batch[-1]  # heads come after batch in [B, H, S, D] and [B, S, H, D]
+    left_only = [c for c in left if c not in right]
+    right_only = [c for c in right if c not in left]
+    contracted = [c for c in left if c in right and c not in out]
+    if len(left_only) != 1 or len(right_only) != 1 or len(contracted) != 1:
+        return f"einsum {node.args[0]!r} is not one attention product"
+    if role == "scores":  # q: (head, query), k: (head, key), scores: (head, key) for the softmax dim
+        query, key = left_only[0], right_only[0]
+        axes = {"first": (left.index(head), left.index(query)), "second": (right.index(head), right.index(key)),
+                "out": (out.index(head), out.index(key))}
+    else:  # probs: (head, key), v: (head, key), out: (head, query)
+        key = contracted[0]
+        axes = {"first": (left.index(head), left.index(key)), "second": (right.index(head), right.index(key)),
+                "out": (out.index(head), out.index(left_only[0]))}
+    return _Operands(node.args[1], node.args[2], {"first": Slot(node, 1), "second": Slot(node, 2)}, axes, "einsum")
+
+
+def _matmul_operands(node, role: str) -> "_Operands | str":
+    """``q @ k.transpose(-2, -1)`` / ``bmm`` / ``baddbmm(bias, q, k^T)`` and ``probs @ v``, on
+    ``[.., heads, seq, dim]`` (with bmm, ``[batch * heads, seq, dim]``)."""
+    first_at = 1 if node.target in (torch.baddbmm, "baddbmm") else 0
+    # bias.baddbmm(batch1=q, batch2=k^T), as Bloom writes it, and any mix of positions and keywords
+    slots = {role: Slot(node, at) if len(node.args) > at else Slot(node, keyword)
+             for role, at, keyword in (("first", first_at, "batch1"), ("second", first_at + 1, "batch2"))}
+    if any(isinstance(slot.argument, str) and slot.argument not in node.kwargs for slot in slots.values()):
+        return "a product whose operands are not both given"
+    first, second = slots["first"].read(), slots["second"].read()
+    if role == "scores":
+        key = _transposed_last_dims(second)
+        if key is None:
+            return "the second operand of q @ k^T is not k transposed in its last two dims"
+        slots["second"] = Slot(second, 0)
+        second = key
+    ndim = value_of(first).dim() if isinstance(first, fx.Node) else 0
+    if ndim < 3 or not isinstance(second, fx.Node) or value_of(second).dim() != ndim:
+        return "q, k and v are not [.., heads, seq, head_dim] tensors of one rank"
+    axes = {"first": (ndim - 3, ndim - 2), "second": (ndim - 3, ndim - 2),
+            "out": (ndim - 3, ndim - 1 if role == "scores" else ndim - 2)}
+    form = "baddbmm" if node.target in (torch.baddbmm, "baddbmm") else "bmm" if node.target in (torch.bmm, "bmm") \
+        else "matmul"
+    return _Operands(first, second, slots, axes, form)
+
+
+def _operands(node, role: str) -> "_Operands | str":
+    return _einsum_operands(node, role) if node.target is torch.einsum else _matmul_operands(node, role)
+
+
+def _read(softmax: fx.Node) -> "AttentionSite | str | None":
+    """``softmax(q @ k^T * scale [+ mask]) [dropout] @ v``, the products written with matmul, bmm,
+    baddbmm or einsum. None when the softmax is not between two products (no candidate); a reason
+    when it is but cannot be read as attention."""
+    out = value_of(softmax)
+    dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+    side_inputs: list[fx.Node] = []
+    scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    # A max subtracted for stability is computed from the scores: not a mask or bias entering the site.
+    side_inputs = [arg for arg in side_inputs if scores_node is None or not _computed_from(arg, scores_node)]
+    if scores_node is not None and values_node is None:
+        return ("a softmax of q @ k^T whose probabilities reach no @ v through scaling, masks, casts or dropout: "
+                f"read by {', '.join(sorted(_op_names(softmax.users)))}")
+    if scores_node is None:
+        return _unread_attention(softmax)
+    if not isinstance(out, torch.Tensor) or dim is None:
+        return None
+    scores, values = _operands(scores_node, "scores"), _operands(values_node, "values")
+    for found in (scores, values):
+        if isinstance(found, str):
+            return found
+    if dim % out.dim() - out.dim() != scores.axes["out"][1] - value_of(scores_node).dim():
+        return f"the softmax runs over dim {dim}, not over the key positions (dim {scores.axes['out'][1]})"
+    query, key, value = scores.first, scores.second, values.second
+    layouts = {scores.axes["first"], scores.axes["second"], values.axes["second"], values.axes["out"]}
+    if len(layouts) != 1:
+        return "q, k, v and the output do not share one layout of heads and sequence"
+    (head_axis, seq_axis), = layouts
+    q, k, v = value_of(query), value_of(key), value_of(value)
+    if not (q.dim() == k.dim() == v.dim() and q.shape[head_axis] == k.shape[head_axis] == v.shape[head_axis]):
+        return "q, k and v have different numbers of heads"
+    probs = values.first
+    if scores.form == "baddbmm":
+        side_inputs.append(scores_node.args[0] if scores_node.args else scores_node.kwargs["input"])
+    region = {scores.slots["second"].consumer: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
+              values_node: (head_axis, {probs: values.axes["first"][0]})}
+    slots = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
+    spelling = f"{scores.form}_softmax" + ("" if values.form == scores.form else f"_{values.form}")
+    site = read_site(values_node, HANDWRITTEN, spelling, module_path(softmax), slots, head_axis=head_axis,
+                     seq_axis=seq_axis, is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs),
+                     region=region)
+    return replace(site, output_marker=_mark_output(site))
+
+
+class HandwrittenAttention(AttentionForm):
+    """Read from its softmax. Reading a site also marks its output (``attention_output``), the one change
+    to the graph detection makes."""
+
+    targets = SOFTMAX
+
+    def read(self, node):
+        return _read(node)
+
+
+@register(attention_output)
+def attention_output_rule(node, view):
+    """A hand-written attention's result leaves its heads for the sequence: insert_all_to_all makes
+    this marker the all-to-all."""
+    x, head_axis, seq_axis = node.args
+    return Decision(Shard(seq_axis), {x: Shard(head_axis)})
+
+
+HANDWRITTEN = HandwrittenAttention()
+FORMS.append(HANDWRITTEN)

@@ -1,0 +1,154 @@
+"""Turn each attention site's sequence sharding into head sharding and back.
+
+Before (q, k, v are ``[B, H, S/P, D]`` on each rank after redistribution)::
+
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+
+After::
+
+    qkv_h = seq_to_heads_qkv(q, k, v, 2, 1, S, S, rank, P, group)   # one all-to-all for the three
+    q_h = qkv_h[0]                                      # [B, H/P, S, D]
+    k_h = qkv_h[1]                                      # [B, Hkv/P, S, D]: GQA moves only the KV heads
+    v_h = qkv_h[2]
+    mask_h = narrow(mask, 1, first_head, H/P)            # only when the mask has a head dim of size H
+    out_h = scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask_h, is_causal=True)
+    out = heads_to_seq(out_h, 2, 1, H, rank, P, group)  # [B, H, S/P, D]
+
+Hand-written attention gets the same treatment around its head-parallel region: ``q`` into
+``q @ k^T``, ``k`` into its transpose, ``v`` into ``probs @ v``, and ``heads_to_seq`` in place of the
+``attention_output`` marker.
+
+What else changes in the call on the rank's heads is the site's form's (``on_rank_heads``): per-head
+inputs narrowed to the rank's heads, and SDPA with ``dropout_p > 0`` becomes
+``attention_heads_dropout(q_h, k_h, v_h, ..., rank=rank)``, the same kernel with its draws seeded apart
+on each rank, so heads on different ranks get independent masks (the kernel draws from the generator,
+alike on every rank).
+
+Heads split over ranks in balanced blocks (``sharding.block_sizes``): 6 heads on 4 ranks go 2, 2, 1, 1,
+by one all-to-all with split sizes. Key/value heads travel by all-to-all when they split like the query
+heads, in the query's all-to-all when the three share a dtype and all exist before the first of them is
+used (hand-written attention may compute v after the scores: then one all-to-all each); otherwise (MQA,
+fewer KV heads than ranks, uneven GQA) each rank gathers the whole sequence of the KV heads its query
+heads use (``gather_kv_heads``). A repeat of KV heads written in the model (HF
+``repeat_kv``) is redone after the communication, so repeated heads are never sent. The backward of
+each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_insert_all_to_all``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from ulysses_compile.core.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads, seq_to_heads_qkv
+from ulysses_compile.core.runtime import repeat_heads
+from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
+
+
+def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
+    graph = gm.graph
+    for site in sites:
+        replaced: list[tuple[fx.Node, fx.Node]] = []
+        if not _fused_qkv(graph, site, ctx, replaced):
+            slot = site.slots["query"]
+            query = slot.read()
+            slot.write(_mark(insert_call(
+                graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
+                                      ctx.group_name), before=slot.consumer), Shard(site.head_axis), query))
+            for role in ("key", "value"):
+                slot = site.slots[role]
+                slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
+        site.form.on_rank_heads(site, ctx)
+        output = site.form.output(site)
+        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
+                                                 ctx.world_size, ctx.group_name), after=output),
+                     Shard(site.seq_axis), output)
+        output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        if site.output_marker is not None:
+            site.output_marker.replace_all_uses_with(back)
+            graph.erase_node(site.output_marker)
+        else:
+            _mark(output, Shard(site.head_axis), output)
+        for repeated, source in replaced:
+            _erase_unused_chain(graph, repeated, source)
+
+
+def _fused_qkv(graph, site, ctx, replaced) -> bool:
+    """q, k and v to heads by one all-to-all, before the first of their consumers, when the KV heads
+    split like the query heads, the three share a dtype and all three exist there; else False."""
+    sent = {role: _sent(site, role) for role in ("query", "key", "value")}
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    first = min((site.slots[role].consumer for role in sent), key=order.__getitem__)
+    if not site.kv_by_all_to_all(ctx.world_size) \
+            or len({sharding_of(node).global_value.dtype for node, _ in sent.values()}) != 1 \
+            or any(order[node] >= order[first] for node, _ in sent.values()):
+        return False
+    query, key, value = (node for node, _ in sent.values())
+    fused = insert_call(graph, seq_to_heads_qkv, (query, key, value, site.seq_axis, site.head_axis, site.seq_len,
+                                                  site.kv_seq_len, ctx.rank, ctx.world_size, ctx.group_name),
+                        before=first)
+    place(fused, NodeSharding((Shard(site.head_axis),) * 3,
+                              tuple(sharding_of(node).global_value for node, _ in sent.values())))
+    for index, (role, (node, repeated)) in enumerate(sent.items()):
+        with graph.inserting_before(first):
+            local = _mark(graph.call_function(operator.getitem, (fused, index)), Shard(site.head_axis), node)
+        if repeated:
+            kv = site.slots[role].read()
+            replaced.append((kv, node))
+            local = _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=first),
+                          Shard(site.head_axis), kv)
+        site.slots[role].write(local)
+    return True
+
+
+def _sent(site, role: str) -> tuple[fx.Node, bool]:
+    """What travels for ``role``, and whether it is the source of a repeat of KV heads written in the
+    model (redone after the communication)."""
+    read = site.slots[role].read()
+    source = {"key": site.key_source, "value": site.value_source}.get(role)
+    repeated = source is not None and site.kv_repeat > 1 and _sharded_on(source, site.seq_axis)
+    return (source if repeated else read), repeated
+
+
+def _sharded_on(node: fx.Node | None, dim: int) -> bool:
+    sharding = sharding_of(node) if node is not None else None
+    return sharding is not None and sharding.output == Shard(dim)
+
+
+def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node:
+    """Key or value for this rank's query heads, communicating only un-repeated KV heads."""
+    kv = site.slots[role].read()
+    sent, repeated = _sent(site, role)
+    if repeated:
+        replaced.append((kv, sent))
+    if not site.kv_by_all_to_all(ctx.world_size):
+        first, count = block_range(site.heads, ctx.world_size, ctx.rank)
+        group = site.heads // site.kv_heads
+        kv_index = tuple(head // group for head in range(first, first + count))
+        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, kv_index,
+                                                     ctx.rank, ctx.world_size, ctx.group_name), before=before)
+        return place(local, NodeSharding(None, None))  # KV heads picked per query head: no placement
+    local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
+                                                    ctx.world_size, ctx.group_name), before=before),
+                  Shard(site.head_axis), sent)
+    if not repeated:
+        return local
+    return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=before),
+                 Shard(site.head_axis), kv)
+
+
+def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:
+    """Drop the model's repeat of KV heads (reshape <- expand <- unsqueeze, or repeat_interleave) back
+    to its source, where nothing else uses it."""
+    node = repeated
+    while node is not source and not node.users:
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        node = inputs[0]
+
+
+def _mark(node: fx.Node, placement, like: fx.Node) -> fx.Node:
+    """The new node holds ``like``'s global value in ``placement``."""
+    return place(node, NodeSharding(placement, sharding_of(like).global_value))

@@ -1,0 +1,331 @@
+"""Give every node a placement: sequence sharding flows from the inputs of attention to the outputs.
+
+Before::
+
+    emb = F.embedding(input_ids, wte)              # input_ids: [B, S]
+    q = linear(emb, wq).view(B, S, H, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+After: the same graph, each node placed (``sharding.place``; shown here as a comment)::
+
+    emb   S(1)   inputs {input_ids: S(1), wte: R}  # input_ids arrives sliced to this rank's tokens
+    q     S(2)                                      # view: local shape (B, S/P, H, D) at rewrite
+    out   S(2)   inputs {q: S(2), k: S(2), v: S(2)}
+
+Graph inputs are global (every rank passes the same batch), so they start Replicate. Sharding starts
+where it pays: at a node on the way to an attention's q/k/v (and not to its mask, which must stay
+whole) whose inputs are all replicated, the first non-parameter input is offered sharded along its
+sequence dim (found by walking back from the attention, sequence_dims.py); if the op's rule
+accepts that, the input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
+no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_propagate_sharding``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.errors import UnsupportedError
+from ulysses_compile.core.fx_graph import ancestors
+from ulysses_compile.core.report import Fallback, module_path
+from ulysses_compile.core.sizes import same_size
+from ulysses_compile.core.sharding import (
+    REPLICATE,
+    NodeSharding,
+    Partial,
+    PermutedShard,
+    Positions,
+    Shard,
+    completed,
+    describe,
+    is_permuted,
+    is_rank_local,
+    is_sharded,
+    place,
+    sharding_of,
+    sort_orders,
+)
+
+from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
+from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
+from ulysses_compile.passes.rules.routing import FRESH_BUFFERS, whole_like
+from ulysses_compile.passes.sequence_dims import sequence_dims
+
+
+def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
+    """Place every node; returns the nodes computed on gathered inputs.
+
+    A view taken by an op with no sharded form views a gathered copy, which misses writes made to its
+    base after the view (and takes writes made through it); a position read (a rank's part of a
+    reduction) takes writes made through it on the reduced copy. Where that happens, the written value
+    is placed whole from where it is made, so its views are real views; placing it whole can change
+    other placements, so this repeats until no new value is found. Ranks decide alike: placements
+    depend on global shapes and P, not on the rank."""
+    bases = alias_bases(gm.graph)
+    written = written_bases(gm.graph, bases)
+    writes = [(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)]
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    attention = set(_head_parallel_nodes(sites)) | {site.node for site in sites}
+    whole: dict[fx.Node, str] = {}  # value kept whole -> why
+    refused: dict[str, str] = {}  # a local sort whose rows are not put back in order -> the reader
+    while True:
+        placed = _place_all(gm, ctx, sites, bases, written, whole, refused)
+        found = {}
+        for view in placed.copies:  # a view of a gathered copy: stale after a later write to its base
+            if bases[view] not in whole and any(order[writer] > order[view] and bases[target] is bases[view]
+                                                for writer, target in writes):
+                found.setdefault(bases[view], view)
+        for view in placed.reductions:  # a rank's part of a reduction: a write through it lands on the reduced copy
+            if bases[view] not in whole and any(_viewed_through(target, view, bases) for _, target in writes):
+                found.setdefault(bases[view], view)
+        for base, view in found.items():
+            if base in attention:
+                raise UnsupportedError(
+                    f"{base.name} (inside an attention at {module_path(base) or base.name}) is written in place and viewed by "
+                    f"{view.name} ({view.target}), which has no sequence-sharded form here, so the view would be a "
+                    f"copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
+                )
+            whole[base] = f"it is written in place and viewed by {view.name}, which cannot stay sharded, so it is kept whole"
+        for base, (writer, refusal) in placed.whole_writes.items():
+            if base in whole or not (base.target in FRESH_BUFFERS or is_gathering_index(base)):
+                raise UnsupportedError(refusal)
+            whole[base] = f"{writer.name} ({_op(writer)}) writes into it in a way that cannot stay sharded, so it is made whole"
+        for sort, reader in placed.stranded.items():
+            refused.setdefault(sort, f"{reader.name} ({_op(reader)}) reads its rows before they are put back in "
+                                     f"token order, so the sort runs on the whole sequence")
+        if not (found or placed.whole_writes or placed.stranded):
+            return placed.fallbacks
+
+
+def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
+    """Whether ``target`` is ``view`` or a view (of a view...) of it."""
+    while target is not None and target is not view and bases.get(target) is not target:
+        target = target.args[0] if target.args and isinstance(target.args[0], fx.Node) else None
+    return target is view
+
+
+@dataclass
+class _Placed:
+    fallbacks: list[Fallback] = field(default_factory=list)
+    copies: list[fx.Node] = field(default_factory=list)  # views placed as views of a gathered copy
+    reductions: list[fx.Node] = field(default_factory=list)  # views placed as a rank's part of a reduction
+    # a written value's base -> the write that cannot stay sharded, and the error if the base cannot be made whole
+    whole_writes: dict[fx.Node, tuple[fx.Node, str]] = field(default_factory=dict)
+    stranded: dict[str, fx.Node] = field(default_factory=dict)  # local sort -> a node reading its rows unordered
+
+
+def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
+    """Place every node; returns what propagation must revisit."""
+    feeds_attention = ancestors(site.entering(role) for site in sites for role in ("query", "key", "value"))
+    feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
+    site_nodes = {site.node for site in sites if site.scores is None}
+    head_parallel = _head_parallel_nodes(sites)
+    seq_dims = sequence_dims(sites, ctx.parameters)
+    seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
+    reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
+    # A view of a value written in place is not where sharding starts: it would view a sliced copy.
+    views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
+    starts = (feeds_attention | reads_lazy) - feeds_masks - views_of_written
+    view = RuleView(_output_placement, ctx.world_size)
+    placed = _Placed()
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op in ("placeholder", "get_attr"):
+            place(node, NodeSharding(_replicated_like(value), value))
+        elif node.op == "output":
+            _find_stranded(node, {}, view, placed)
+        elif node in whole:
+            like = whole_like(node, view)
+            place(node, like or NodeSharding(_replicated_like(value), value, replicate_all(view, node)))
+            _find_stranded(node, sharding_of(node).inputs, view, placed)
+            if like is not None:
+                placed.fallbacks.append(_fallback_report(node, view, whole[node], gathered=False))
+            elif any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
+                placed.fallbacks.append(_fallback_report(node, view, whole[node]))
+        elif node in head_parallel:
+            by_heads, entering = head_parallel[node]
+            inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
+                      for arg in view.tensor_args(node)}
+            place(node, NodeSharding(by_heads, value, inputs))
+        else:
+            sharding, fallback = _decide(node, value, view, ctx, node in starts, node in site_nodes,
+                                         seq_dims, seq_lengths, refused.get(node.name))
+            placed.fallbacks += [fallback] if fallback is not None else []
+            if may_alias(node) and fallback is not None:
+                placed.copies.append(node)
+            elif may_alias(node) and isinstance(sharding.output, Partial):
+                placed.reductions.append(node)
+            written_whole = _write_in_place(node, sharding, view, bases)
+            if written_whole is not None:
+                placed.whole_writes.setdefault(written_whole[0], (node, written_whole[1]))
+            _find_stranded(node, sharding.inputs, view, placed)
+            place(node, sharding)
+    return placed
+
+
+def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed) -> None:
+    """Permuted rows (or positions into them) that ``node`` would read converted: they have no
+    conversion, so their sort must run on whole inputs instead."""
+    written = mutated_arg(node)
+    for arg in node.all_input_nodes:
+        have = view.actual_placement(arg)
+        if isinstance(have, (PermutedShard, Positions)) and inputs.get(arg) != have \
+                or arg is written and isinstance(have, Partial) and have.over:  # a write into the rank's own counts
+            for sort in sort_orders(have):
+                placed.stranded.setdefault(sort, node)
+
+
+def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:
+    """Hand-written attention: k^T, q @ k^T and probs @ v run on this rank's heads (the ops between
+    follow). q, k and v enter them sequence-sharded; insert_all_to_all turns them to heads there."""
+    nodes = {}
+    for site in sites:
+        entering = {site.entering(role): Shard(site.seq_axis) for role in ("query", "key", "value")}
+        for node, (head_axis, operands) in site.region.items():
+            nodes[node] = (Shard(head_axis), {**{arg: Shard(dim) for arg, dim in operands.items()}, **entering})
+    return nodes
+
+
+def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
+    """A bias or mask entering the head-parallel region (baddbmm's input): its rank's heads when it has
+    the heads dim, whole when it broadcasts over heads."""
+    arg_value = arg.meta.get("example_value")
+    offset = arg_value.dim() - value.dim()
+    dim = by_heads.dim + offset
+    if 0 <= dim < arg_value.dim() and arg_value.shape[dim] == value.shape[by_heads.dim]:
+        return Shard(dim)
+    return REPLICATE
+
+
+
+def _output_placement(node: fx.Node):
+    sharding = sharding_of(node)
+    return sharding.output if sharding is not None else None
+
+
+def _replicated_like(value):
+    if isinstance(value, torch.Tensor):
+        return REPLICATE
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(REPLICATE if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is_site: bool,
+            seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None]:
+    tensor_args = view.tensor_args(node)
+    placements = [view.placement(arg) for arg in tensor_args]
+    if any(is_permuted(p) for p in placements):
+        rule = rule_for(node, permuted=True)
+        decision = rule(node, view) if rule else None
+        if decision is not None:
+            return NodeSharding(decision.output, value, decision.inputs, decision.localize), None
+        if any(isinstance(p, (PermutedShard, Positions)) for p in placements):
+            # No rule for global layouts may read them: propagation makes their sort run whole instead.
+            return NodeSharding(_replicated_like(value), value, replicate_all(view, node)), None
+    rule = None if refused else rule_for(node)
+    pending = {arg: completed(p) for arg, p in zip(tensor_args, placements)
+               if not isinstance(p, tuple) and completed(p) != p}
+    if pending:
+        # Rules see completed values: a partial sum is all-reduced, a partial scan finished, first.
+        view = view.overridden(pending)
+    if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
+        # An in-place op is never where sharding starts: it would write into a sliced copy.
+        seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
+            if starts_sharding and rule and mutated_arg(node) is None else None
+        return seeded or NodeSharding(_replicated_like(value), value), None
+    decision = rule(node, view) if rule else None
+    fallback = None
+    if decision is None:
+        reason = refused or ("no sharding rule for this op" if rule_for(node) is None
+                             else "its sharded inputs cannot stay sharded here")
+        sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
+        fallback = _fallback_report(node, view, reason)
+    else:
+        sharding = NodeSharding(decision.output, value, {**pending, **decision.inputs}, decision.localize)
+        if _writes_into_a_copy(node, sharding, view):
+            sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
+            fallback = _fallback_report(node, view, "it writes in place into a whole tensor, which stays whole")
+    return sharding, fallback
+
+
+def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -> bool:
+    """An op that writes into a whole (replicated) tensor but would receive it sliced: the write would
+    land on the slice, and later readers of the whole tensor would miss it."""
+    written = mutated_arg(node)
+    if not isinstance(written, fx.Node):
+        return False
+    have = view.actual_placement(written)
+    return not is_rank_local(have) and sharding.inputs.get(written, REPLICATE) != completed(have)
+
+
+def _write_in_place(node: fx.Node, sharding: NodeSharding, view: RuleView, bases: dict) -> tuple[fx.Node, str] | None:
+    """An op that writes into a rank-local tensor must run on that very tensor, never on a gathered or
+    reduced copy: later readers of the tensor would miss the write. Returns the written value's base and
+    the error to raise unless that base is a new buffer (``zeros_like``), which can be made whole instead.
+    Permuted rows are left to their sort, which then runs whole."""
+    written = mutated_arg(node)
+    if not isinstance(written, fx.Node):
+        return None
+    have = view.actual_placement(written)
+    if not is_rank_local(have) or is_permuted(have) or sharding.inputs.get(written, REPLICATE) == completed(have):
+        return None
+    source = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+    return bases.get(written, written), (
+        f"{node.name} ({node.target}) writes in place into {written.name}, which is "
+        f"{describe(have)} (split over the sequence-parallel ranks) here, and this op has no sharded "
+        f"form; write it out of place (for example x = x.relu() instead of x.relu_(), or torch.cat / "
+        f"torch.where instead of an indexed assignment). At: {' / '.join(line.strip() for line in source)}"
+    )
+
+
+def _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) -> NodeSharding | None:
+    """``node`` with its first sequence-holding input offered sharded (a value a graph before this one
+    left lazily first, in the layout it holds), if its rule keeps the output sharded."""
+    args = [arg for arg in view.tensor_args(node) if arg not in ctx.parameters]
+    for arg in sorted(args, key=lambda arg: arg not in ctx.lazy_inputs):
+        if arg in ctx.lazy_inputs:
+            offered = ctx.lazy_inputs[arg]
+        else:
+            dim = seq_dims[arg] if arg in seq_dims else _sequence_dim(view.value(arg), seq_lengths)
+            if dim is None:
+                continue
+            offered = Shard(dim)
+        seeded_view = view.overridden({arg: offered})
+        decision = rule(node, seeded_view)
+        if decision is not None and is_sharded(decision.output):
+            return NodeSharding(decision.output, value, decision.inputs, decision.localize)
+        return None
+    return None
+
+
+def _sequence_dim(value, seq_lengths) -> int | None:
+    """The dim of a replicated tensor that holds the sequence: a dim of a sequence length, preferring
+    the last such dim that is not the feature (last) dim, so [B, S] and [B, S, H] pick S."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    dims = [d for d, size in enumerate(value.shape) if any(same_size(size, length) for length in seq_lengths)]
+    if len(dims) > 1 and dims[-1] == value.dim() - 1:
+        dims = dims[:-1]
+    return dims[-1] if dims else None
+
+
+def _op(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:
+    sharded_inputs = [arg.name for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
+    source = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return Fallback(
+        node=node.name,
+        op=_op(node),
+        reason=f"{reason}; gathered {', '.join(sharded_inputs)}" if gathered else
+        f"{reason}, from its global shape (nothing gathered)",
+        source=" / ".join(line.strip() for line in source[-2:]),
+    )

@@ -1,0 +1,286 @@
+"""Make every input arrive in the placement its consumer asked for, and outputs in the user's.
+
+Before (placements from propagate_sharding, local computations from localize_ops)::
+
+    emb = F.embedding(input_ids, wte)        # wants input_ids S(1), has R
+    logits = linear(h, w_out)                # h S(1), w_out R and requires grad
+    loss = loss_sum / count                  # wants both R, has P (partial sums)
+    return (loss, logits)                    # logits S(1)
+
+After::
+
+    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)      # a free local slice
+    emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
+    logits = linear(h, sync_grad(w_out, group))
+    loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)
+    return (loss, gather_seq(logits, 1, 1, 1, S, rank, P, group))
+
+By default (``outputs="lazy"``) an output stays sharded (``return (loss, logits)``), whether it goes
+to the caller or across a graph break to the next graph: the caller gets a tensor gathered when read,
+the next graph the rank's block (``boundary.py``). With ``outputs="dtensor"`` only an output that goes
+straight to the caller stays sharded, as a DTensor.
+
+A replicated value that requires grad and is used by a rank-local op goes through ``sync_grad`` once,
+shared by all such uses, so its gradient is summed over ranks inside the backward graph. This is
+where every collective that changes a placement is created (the all-to-alls around attention, whose
+layout only the site knows, are insert_all_to_all's; data-parallel averaging and ZeRO's gathers
+theirs).
+
+Pinned on a small model: ``tests/test_pass_goldens.py::test_redistribute`` and
+``test_redistribute_reduces_partial_sums``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.boundary import SequenceBlocks, even_blocks
+from ulysses_compile.core.collectives import (
+    add_previous_ranks_totals,
+    gather_seq,
+    insert_call,
+    reduce_partial,
+    scatter_seq,
+    seq_to_heads,
+    sync_grad,
+)
+from ulysses_compile.core.errors import InternalError
+from ulysses_compile.core.sharding import (
+    REPLICATE,
+    NodeSharding,
+    Partial,
+    PartialScan,
+    Replicate,
+    Shard,
+    completed,
+    is_permuted,
+    is_rank_local,
+    is_sharded,
+    place,
+    seq_factors,
+    sharding_of,
+)
+from ulysses_compile.core.sizes import is_symbolic
+
+from ulysses_compile.passes.in_place_writes import alias_bases, may_alias, written_bases
+from ulysses_compile.core.fx_graph import mutated_arg
+
+
+log = logging.getLogger("ulysses_compile")
+
+
+class _Redistributor:
+    def __init__(self, graph: fx.Graph, ctx):
+        self.graph = graph
+        self.ctx = ctx
+        self.converted: dict[tuple, fx.Node] = {}
+        self.synced: dict[tuple, fx.Node] = {}
+        # A value written in place through its conversion (a completed partial sum): later readers start
+        # from that conversion, which holds the write.
+        self.holder: dict[fx.Node, tuple[fx.Node, object]] = {}
+
+    def to(self, node: fx.Node, have, want, before: fx.Node | None = None, version: int = 0) -> fx.Node:
+        """``node`` converted from ``have`` to ``want``: placed right after it, or just before
+        ``before`` (a consumer, when ``node`` is written in place somewhere); shared by the consumers
+        that read the same ``version`` of it (the number of in-place writes into it before them)."""
+        source, source_have = self.holder.get(node, (node, have))
+        if source_have == want:
+            return source
+        key = (node, want, version)
+        if key not in self.converted:
+            self.converted[key] = self._convert(source, source_have, want, before, version)
+        return self.converted[key]
+
+    def written_through(self, node: fx.Node, conversion: fx.Node, placement) -> None:
+        self.holder[node] = (conversion, placement)
+
+    def _convert(self, node, have, want, before, version) -> fx.Node:
+        ctx = self.ctx
+        done = completed(have)
+        if done != have:
+            # One completion of a pending sum, shared by every consumer that reads the same version.
+            if want != done:
+                return self.to(self.to(node, have, done, before, version), done, want, before, version)
+            if isinstance(have, Partial):
+                return self._insert(reduce_partial, (node, ctx.group_name), node, done, before)
+            return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size,
+                                                            ctx.group_name), node, done, before)
+        if have == want or _same_blocks(have, want):
+            return node
+        if is_permuted(have) or is_permuted(want):
+            raise InternalError(f"{node.name} is {have} and was asked for as {want}: rows in a rank's own order "
+                                f"have no conversion (propagate_sharding gathers their sort's input instead)")
+        if self._all_to_all_ok(node, have, want):
+            # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
+            length = sharding_of(node).global_value.shape[have.dim]
+            return self._insert(seq_to_heads, (node, have.dim, want.dim, length, ctx.rank, ctx.world_size,
+                                               ctx.group_name), node, want, before)
+        if seq_factors(have) is not None:
+            dim, outer, inner = seq_factors(have)
+            length = sharding_of(node).global_value.shape[dim] // (outer * inner)
+            node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank, ctx.world_size,
+                                             ctx.group_name), node, REPLICATE, before)
+            have = REPLICATE
+        if have == want:
+            return node
+        if isinstance(want, (Partial, PartialScan)):
+            raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
+        return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
+                            node, want, before)
+
+    def _all_to_all_ok(self, node, have, want) -> bool:
+        value = sharding_of(node).global_value
+        return (
+            isinstance(have, Shard)
+            and isinstance(want, Shard)
+            and isinstance(value, torch.Tensor)
+            and value.shape[want.dim] >= self.ctx.world_size
+        )
+
+    def _insert(self, fn, args, after: fx.Node, placement, before: fx.Node | None) -> fx.Node:
+        source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
+        call = insert_call(self.graph, fn, args, before=before) if before is not None \
+            else insert_call(self.graph, fn, args, after=after)
+        return place(call, NodeSharding(placement, source.global_value if source else None))
+
+    def synced_for_local_use(self, node: fx.Node, before: fx.Node | None, version: int) -> fx.Node:
+        if (node, version) not in self.synced:
+            self.synced[(node, version)] = self._insert(sync_grad, (node, self.ctx.group_name), node, REPLICATE,
+                                                        before)
+        return self.synced[(node, version)]
+
+
+class _Writes:
+    """In-place writes in graph order. A conversion must read the value its consumer reads: for a
+    value written in place after it is made (through any alias), that is the value just before the
+    consumer, not the one right after the producer."""
+
+    def __init__(self, graph: fx.Graph):
+        self.base = alias_bases(graph)
+        self.version = dict.fromkeys(written_bases(graph, self.base), 0)
+
+    def anchor(self, node: fx.Node, consumer: fx.Node) -> fx.Node | None:
+        return consumer if self.base.get(node, node) in self.version else None
+
+    def seen(self, node: fx.Node) -> int:
+        return self.version.get(self.base.get(node, node), 0)
+
+    def record(self, written: fx.Node | None) -> None:
+        if isinstance(written, fx.Node):
+            self.version[self.base.get(written, written)] += 1
+
+
+def _same_blocks(have, want) -> bool:
+    """``MergedShard(d, 1, inner)`` and ``Shard(d)`` both hold one contiguous block of dim d per rank."""
+    have_factors, want_factors = seq_factors(have), seq_factors(want)
+    return (
+        have_factors is not None
+        and want_factors is not None
+        and have_factors[0] == want_factors[0]
+        and have_factors[1] == want_factors[1] == 1
+    )
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    sharding = sharding_of(node)
+    value = sharding.global_value if sharding is not None else node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def redistribute(gm: fx.GraphModule, ctx) -> Outputs:
+    """Insert the conversions; returns the outputs gathered from sequence shards (with why) and those
+    that leave the graph sharded."""
+    graph = gm.graph
+    redistributor = _Redistributor(graph, ctx)
+    writes = _Writes(graph)
+    outputs = Outputs()
+    for node in list(graph.nodes):
+        sharding = sharding_of(node)
+        if node.op == "output":
+            outputs = _redistribute_outputs(node, redistributor, ctx, writes)
+            continue
+        written = mutated_arg(node)
+        if sharding is None:
+            writes.record(written)
+            continue
+        local_op = is_rank_local(sharding.output)
+        for arg in dict.fromkeys(node.all_input_nodes):
+            have = sharding_of(arg).output if sharding_of(arg) else None
+            if have is None or isinstance(have, tuple):
+                continue
+            want = sharding.inputs.get(arg, REPLICATE)
+            before, version = writes.anchor(arg, node), writes.seen(arg)
+            new = redistributor.to(arg, have, want, before, version)
+            if local_op and isinstance(want, Replicate) and _requires_grad(new):
+                new = redistributor.synced_for_local_use(new, before, version)
+            if new is not arg:
+                node.replace_input_with(arg, new)
+                if arg is written or (before is not None and may_alias(node) and completed(have) != have):
+                    # A write into it, or into a view of its completion, lands on the conversion.
+                    redistributor.written_through(arg, new, want)
+        writes.record(written)
+    return outputs
+
+
+@dataclass
+class Outputs:
+    gathered: list[str] = field(default_factory=list)  # a line for each sequence-sharded output gathered
+    sharded: dict[int, SequenceBlocks] = field(default_factory=dict)  # output position -> how it leaves sharded
+
+
+def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, writes: _Writes) -> Outputs:
+    found = Outputs()
+
+    def convert(position: int, arg):
+        sharding = sharding_of(arg) if isinstance(arg, fx.Node) else None
+        if sharding is None or sharding.output is None or isinstance(sharding.output, tuple):
+            return arg
+        have = sharding.output
+        before, version = writes.anchor(arg, output), writes.seen(arg)
+        if ctx.options.outputs == "local":
+            return redistributor.to(arg, have, completed(have), before, version)
+        if not is_sharded(completed(have)):
+            return redistributor.to(arg, have, REPLICATE, before, version)
+        shape = list(sharding.global_value.shape)
+        why = _why_gathered(completed(have), shape, ctx)
+        if not why:
+            dim, outer, inner = seq_factors(completed(have))
+            length = shape[dim] // (outer * inner)
+            found.sharded[position] = SequenceBlocks(dim, outer, inner, None if is_symbolic(length) else length)
+            return redistributor.to(arg, have, completed(have), before, version)
+        found.gathered.append(f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered: {why}")
+        log.info("ulysses_compile: %s", found.gathered[-1])
+        return redistributor.to(arg, have, REPLICATE, before, version)
+
+    values = output.args[0]  # Dynamo's graphs return a flat tuple, the compiled function's outputs in order
+    flat = list(values) if isinstance(values, (tuple, list)) else [values]
+    converted = [convert(position, arg) for position, arg in enumerate(flat)]
+    output.args = (type(values)(converted) if isinstance(values, (tuple, list)) else converted[0],)
+    return found
+
+
+def _why_gathered(placement, shape: list, ctx) -> str:
+    """Why a sequence-sharded output is gathered in the graph, or "" when it leaves sharded
+    (``boundary.py``)."""
+    crossing = f"a graph break ({ctx.graph_break})" if ctx.graph_break else \
+        "code that runs before the caller reads it" if not ctx.outputs_to_caller else ""
+    if crossing and ctx.options.outputs != "lazy":
+        return (f"it crosses {crossing} under option outputs={ctx.options.outputs!r}, which leaves sharded only "
+                f"what goes straight to the caller; the next graph slices it again")
+    if ctx.options.outputs == "gather":
+        return 'option outputs="gather" (the default, outputs="lazy", gathers it when read)'
+    dim, outer, inner = seq_factors(placement)
+    length = shape[dim] // (outer * inner)
+    if is_symbolic(outer) or is_symbolic(inner):
+        return f"the dims merged with the sequence have a symbolic size ({outer} x S x {inner})"
+    if ctx.options.outputs == "dtensor" and not isinstance(placement, Shard):
+        return "it is sharded inside merged dims (as [B*S, V] is), which no DTensor placement describes"
+    if not even_blocks(length, ctx.world_size) and (ctx.options.outputs == "dtensor" or is_symbolic(length)):
+        return (f"P = {ctx.world_size} does not divide its {length} positions, and " + (
+            "DTensor's blocks (torch.chunk's) differ from the balanced ones here" if ctx.options.outputs == "dtensor"
+            else "the graph, compiled for every length, could not tell the length from the rank's block"))
+    return ""

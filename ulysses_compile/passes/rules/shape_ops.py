@@ -1,0 +1,471 @@
+"""Views, dim shuffles, indexing, splits and concatenation: where the sequence dim goes, and its local size.
+
+A view keeps the sequence sharded when the sequence stays inside one output dim, possibly merged with
+neighbours (``[B, S, V] -> [B*S, V]`` gives ``MergedShard(0, outer=B, inner=1)``). Its shape argument
+is rewritten to the local shape. Slicing the sequence itself, or splitting it across dims, falls back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ulysses_compile.core.compat import statically_known_true
+from ulysses_compile.core.ops import CASTS, spellings
+from ulysses_compile.core.runtime import summed_away
+from ulysses_compile.core.sharding import (
+    PARTIAL,
+    REPLICATE,
+    NodeSharding,
+    block_range,
+    is_rank_local,
+    local_shape,
+    place,
+    seq_shard,
+    with_dim,
+)
+from ulysses_compile.core.sizes import same_size, size_arg
+
+from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
+
+from ulysses_compile.passes.rules import Decision, register
+
+# The op tables the rules register and sequence_dims.py walks back through.
+VIEWS = spellings("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as")
+TRANSPOSES = spellings("transpose", "swapaxes", "swapdims")
+SPLITS = spellings("split", "chunk", "tensor_split")
+UNBINDS = spellings("unbind")
+# Ops whose result may share storage with their first argument, so that an in-place write into one is
+# seen through the other. Over-inclusive on purpose (reshape, contiguous and casts may copy): a false
+# alias only costs a conversion placed later, a missed one a stale read.
+ALIASING = frozenset({
+    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, "unfold", *spellings(
+        "expand", "expand_as", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze", "narrow", "select", "t",
+        "detach", "as_strided", "diagonal", "contiguous", "view_as_real", "view_as_complex", "ravel",
+        "broadcast_to", "split_with_sizes", "adjoint", "conj", "real", "imag", "hsplit", "vsplit", "dsplit",
+        "unsafe_split", "unsafe_chunk", "atleast_1d", "atleast_2d", "atleast_3d"),
+})
+
+
+def _flat_position(shape, dim, outer, inner):
+    return math.prod(shape[:dim]) * outer, shape[dim] // (outer * inner)
+
+
+def view_placement(in_shape, out_shape, factors):
+    """Where a sharded sequence lands after a view from ``in_shape`` to ``out_shape``, or None."""
+    dim, outer, inner = factors
+    before, seq = _flat_position(in_shape, dim, outer, inner)
+    cum = 1
+    for out_dim, size in enumerate(out_shape):
+        if cum * size > before:
+            if before % cum or size % ((before // cum) * seq):
+                return None
+            new_outer = before // cum
+            return seq_shard(out_dim, new_outer, size // (new_outer * seq))
+        cum *= size
+    return None
+
+
+def _localize_shape(method: str):
+    """Rewrite a view, reshape or expand to the local shape its placement implies."""
+
+    def localize(node: fx.Node, sharding, ctx) -> None:
+        shape = local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank)
+        node.op, node.target = "call_method", method
+        node.args, node.kwargs = (node.args[0], size_arg(node.graph, shape, before=node)), {}
+
+    return localize
+
+
+@register(*VIEWS)
+def view_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    out = view.value(node)
+    if factors is None or not isinstance(out, torch.Tensor):
+        return None
+    placement = view_placement(tuple(view.value(source).shape), tuple(out.shape), factors)
+    if placement is None:
+        return None
+    method = "view" if node.target in ("view", "view_as") else "reshape"
+    return Decision(placement, {source: view.placement(source)}, _localize_shape(method))
+
+
+@register("expand")
+def expand_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    out = view.value(node)
+    if factors is None:
+        return None
+    dim, outer, inner = factors
+    out_dim = dim + out.dim() - view.value(source).dim()
+    if out.shape[out_dim] != view.value(source).shape[dim]:
+        return None
+    return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)},
+                    _localize_shape("expand"))
+
+
+@register("expand_as")
+def expand_as_rule(node, view):
+    """``x.expand_as(other)`` reads only ``other``'s shape (``F.normalize``'s denominator): as ``expand``
+    of a sharded ``x``, or of an ``x`` broadcast (size 1) along the dim ``other`` holds sharded; either
+    way the local ``expand`` to the block's shape, ``other`` left where it is."""
+    source, other = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if not isinstance(other, fx.Node):
+        return None
+    kept = {other: view.actual_placement(other)}
+    if view.sharded(source) is not None:
+        decision = expand_rule(node, view)
+        return None if decision is None else Decision(decision.output, {**kept, **decision.inputs}, decision.localize)
+    factors = view.sharded(other)
+    if factors is None or view.placement(source) != REPLICATE:
+        return None
+    dim = factors[0] - (view.value(other).dim() - view.value(source).dim())
+    if dim >= 0 and view.value(source).shape[dim] != 1:
+        return None
+    return Decision(view.placement(other), {source: REPLICATE, **kept}, _localize_shape("expand"))
+
+
+def _global_size(node: fx.Node, sharding, ctx) -> None:
+    """``x.size()`` / ``x.size(d)`` of a sharded ``x`` (Dynamo records them when sizes are symbolic):
+    the program asked for the global size, so compute it from the graph's size inputs instead."""
+    size = size_arg(node.graph, tuple(sharding.global_value) if isinstance(sharding.global_value, torch.Size)
+                    else sharding.global_value, before=node)
+    if isinstance(size, tuple):
+        with node.graph.inserting_before(node):
+            size = node.graph.call_function(torch.Size, (list(size),))
+    node.replace_all_uses_with(size)
+    node.graph.erase_node(node)
+
+
+@register("new_empty")
+def new_tensor_rule(node, view):
+    """``x.new_empty(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of no
+    values yet, so each rank makes its own block of it (x's values are not read), as DeepSeek-V3 makes
+    the buffer it writes its keys into. Only where x already is sharded, and not ``new_zeros``: a buffer
+    filled by shifted writes (T5's labels) must stay whole."""
+    source = node.args[0]
+    factors = view.sharded(source) if is_rank_local(view.actual_placement(source)) else None
+    out, value = view.value(node), view.value(source)
+    if factors is None or factors[1:] != (1, 1) or not isinstance(out, torch.Tensor) or out.dim() != value.dim() \
+            or not same_size(out.shape[factors[0]], value.shape[factors[0]]):
+        return None
+    return Decision(view.placement(source), {source: view.placement(source)}, _localize_new_tensor)
+
+
+def _localize_new_tensor(node: fx.Node, sharding, ctx) -> None:
+    shape = size_arg(node.graph, local_shape(sharding.global_value.shape, sharding.output, ctx.world_size, ctx.rank),
+                     before=node)
+    if "size" in node.kwargs:
+        node.kwargs = {**node.kwargs, "size": tuple(shape)}
+    else:
+        node.args = (node.args[0], tuple(shape))
+
+
+@register("size")
+def size_rule(node, view):
+    source = node.args[0]
+    if view.sharded(source) is None:
+        return None
+    return Decision(None, {source: view.placement(source)}, _global_size)
+
+
+def _dim_map_rule(mapping):
+    """A rule for ops that only move dims: ``mapping(node, in_ndim, out_ndim)`` maps input dim -> output dim."""
+
+    def rule(node, view):
+        source = node.args[0] if node.args else node.kwargs.get("input")
+        factors = view.sharded(source)
+        if factors is None:
+            return None
+        in_value, out = view.value(source), view.value(node)
+        out_dim = mapping(node, factors[0], in_value, out)
+        if out_dim is None:
+            return None
+        return Decision(with_dim(view.placement(source), out_dim), {source: view.placement(source)})
+
+    return rule
+
+
+def _transpose(node, dim, in_value, out):
+    args = method_or_function_args(node, ("input", "dim", "dim1"))
+    a, b = (normalize_dim(args[name], in_value.dim()) for name in ("dim", "dim1"))
+    return b if dim == a else a if dim == b else dim
+
+
+def _permute(node, dim, in_value, out):
+    dims = node.args[1:] if len(node.args) > 1 else node.kwargs["dims"]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    return [normalize_dim(d, in_value.dim()) for d in dims].index(dim)
+
+
+def _movedim(node, dim, in_value, out):
+    args = method_or_function_args(node, ("input", "dim", "dim1"))
+    src, dst = args["dim"], args["dim1"]
+    src_list = [normalize_dim(d, in_value.dim()) for d in (src if isinstance(src, (list, tuple)) else [src])]
+    dst_list = [normalize_dim(d, in_value.dim()) for d in (dst if isinstance(dst, (list, tuple)) else [dst])]
+    rest = iter([d for d in range(in_value.dim()) if d not in src_list])
+    order = [None] * in_value.dim()
+    for s, d in zip(src_list, dst_list):
+        order[d] = s
+    order = [s if s is not None else next(rest) for s in order]
+    return order.index(dim)
+
+
+def _unsqueeze(node, dim, in_value, out):
+    new = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], out.dim())
+    return dim + 1 if new <= dim else dim
+
+
+def _squeeze(node, dim, in_value, out):
+    dims = method_or_function_args(node, ("input", "dim")).get("dim")
+    if dims is None:
+        squeezed = [d for d in range(in_value.dim()) if in_value.shape[d] == 1]
+    else:
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        squeezed = [d for d in (normalize_dim(d, in_value.dim()) for d in dims) if in_value.shape[d] == 1]
+    if dim in squeezed:
+        return None
+    return dim - sum(1 for d in squeezed if d < dim)
+
+
+def _repeat_interleave(node, dim, in_value, out):
+    """``cos.repeat_interleave(2, dim=-1)`` (interleaved RoPE): each element repeated along another dim."""
+    args = method_or_function_args(node, ("input", "repeats", "dim"))
+    along = args.get("dim")
+    if not isinstance(args.get("repeats"), int) or along is None:
+        return None
+    return dim if normalize_dim(along, in_value.dim()) != dim and in_value.dim() == out.dim() else None
+
+
+@register("repeat")
+def repeat_rule(node, view):
+    """``x.repeat(*sizes)``: tiles. Repeated r times along the sequence (a copy of the tokens per
+    expert, as Llama 4's MoE makes), the rank's block recurs in each tile: ``outer * r``."""
+    source = node.args[0]
+    factors = view.sharded(source)
+    if len(node.args) < 2:
+        return None
+    sizes = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (list, tuple)) else node.args[1]
+    if factors is None or not all(isinstance(size, int) for size in sizes):
+        return None
+    dim, outer, inner = factors
+    out_dim = dim + len(sizes) - view.value(source).dim()
+    return Decision(seq_shard(out_dim, outer * sizes[out_dim], inner), {source: view.placement(source)})
+
+
+@register(*spellings("repeat_interleave"))
+def repeat_interleave_rule(node, view):
+    """Along another dim, the dims stay; along the sequence (a token per top-k slot: ``[T, H]`` ->
+    ``[T*k, H]``) each token's copies sit next to it, merged after the sequence: ``inner * k``."""
+    source = node.args[0] if node.args else node.kwargs["input"]
+    factors = view.sharded(source)
+    args = method_or_function_args(node, ("input", "repeats", "dim"))
+    if factors is None or not isinstance(args.get("repeats"), int) or args.get("dim") is None \
+            or "output_size" in node.kwargs:
+        return None
+    value = view.value(source)
+    if normalize_dim(args["dim"], value.dim()) != factors[0]:
+        return _dim_map_rule(_repeat_interleave)(node, view)
+    dim, outer, inner = factors
+    return Decision(seq_shard(dim, outer, inner * args["repeats"]), {source: view.placement(source)})
+
+
+def _complex_view(node, dim, in_value, out):
+    """``view_as_complex`` drops the trailing pair dim, ``view_as_real`` adds it: other dims stay."""
+    return dim if dim < min(in_value.dim(), out.dim()) else None
+
+
+register(*TRANSPOSES)(_dim_map_rule(_transpose))
+register(*spellings("view_as_complex", "view_as_real"))(_dim_map_rule(_complex_view))
+register(*spellings("permute"))(_dim_map_rule(_permute))
+register(*spellings("movedim", "moveaxis"))(_dim_map_rule(_movedim))
+register(*spellings("unsqueeze"))(_dim_map_rule(_unsqueeze))
+register(*spellings("squeeze"))(_dim_map_rule(_squeeze))
+
+
+def _is_full_slice(entry, size) -> bool:
+    return (
+        isinstance(entry, slice)
+        and entry.start in (None, 0)
+        and (entry.stop is None or statically_known_true(_size_value(entry.stop) >= size))
+        and entry.step in (None, 1)
+    )
+
+
+def _size_value(arg):
+    """A slice bound as a number: an int, or the SymInt a size node computes."""
+    return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
+
+
+@register(operator.getitem)
+def getitem_rule(node, view):
+    source, index = node.args
+    placement = view.placement(source)
+    if isinstance(placement, tuple):
+        return Decision(placement[index], {})
+    if view.sharded(source) is None:
+        return _table_lookup(view, source, index)
+    return _indexed(view, source, index)
+
+
+def _table_lookup(view, table, index) -> Decision | None:
+    """``table[ids]`` of a replicated table at sequence-sharded ids (an expert's weight per token): the
+    ids' dims come first, so the output is sharded as the ids are."""
+    entries = index_entries(index, view.value(table).dim()) if not isinstance(index, fx.Node) else [index]
+    ids, rest = entries[0], entries[1:]
+    if not isinstance(ids, fx.Node) or view.sharded(ids) is None or any(entry != slice(None) for entry in rest):
+        return None
+    return Decision(view.placement(ids), {table: REPLICATE, ids: view.placement(ids)})
+
+
+@register(operator.setitem)
+def setitem_rule(node, view):
+    """``x[index] = value`` with the index leaving the sequence whole: each rank writes its block."""
+    target, index, value = node.args
+    if _is_aligned_mask(view, target, index) and not view.is_tensor(value):
+        return Decision(view.placement(target), {target: view.placement(target), index: view.placement(index)})
+    region = _indexed(view, target, index)
+    if region is None or region.localize is not None:
+        return None
+    region_value = view.value(target)[index]
+    demands = {target: view.placement(target)}
+    if view.is_tensor(value):
+        value_dim = region.output.dim - (region_value.dim() - view.value(value).dim())
+        size = view.value(value).shape[value_dim] if value_dim >= 0 else 1
+        demands[value] = with_dim(region.output, value_dim) if size == region_value.shape[region.output.dim] \
+            and size > 1 else REPLICATE
+    return Decision(view.placement(target), demands)
+
+
+def _is_aligned_mask(view, target, index) -> bool:
+    """``x[mask] = c`` with a boolean mask over x's leading dims, sharded as x is: a masked fill."""
+    mask = view.value(index)
+    return isinstance(index, fx.Node) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool \
+        and view.sharded(target) is not None and view.placement(index) == view.placement(target) \
+        and tuple(mask.shape) == tuple(view.value(target).shape[:mask.dim()])
+
+
+def _indexed(view, source, index) -> Decision | None:
+    """The placement of ``source[index]`` for a sequence-sharded ``source``."""
+    placement = view.placement(source)
+    factors = view.sharded(source)
+    if factors is None:
+        return None
+    dim = factors[0]
+    value = view.value(source)
+    entries = list(index) if isinstance(index, tuple) else [index]
+    lists = [e for e in entries if isinstance(e, list)]
+    if any(isinstance(e, (fx.Node, torch.Tensor)) for e in entries) or len(lists) > 1:
+        return None
+    if lists and not all(isinstance(i, int) for i in lists[0]):
+        return None  # one 1-D list of ints indexes in place, like a slice; anything else reorders dims
+    entries = index_entries(tuple(entries), value.dim())
+    in_dim = out_dim = 0
+    for position, entry in enumerate(entries):
+        if entry is None:
+            out_dim += 1
+            continue
+        if in_dim == dim:
+            if isinstance(entry, int) and factors[1:] == (1, 1):
+                localize = functools.partial(_localize_position, entries=entries, position=position,
+                                             out_dim=out_dim, length=value.shape[dim])
+                return Decision(PARTIAL, {source: placement}, localize)
+            if not _is_full_slice(entry, value.shape[dim]):
+                return None
+            return Decision(with_dim(placement, out_dim), {source: placement})
+        if isinstance(entry, (slice, list)):
+            out_dim += 1
+        in_dim += 1
+    return None
+
+
+def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
+    """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
+    so the partial values sum to the global result (pooling on the first or last token). Elsewhere the
+    position becomes an empty slice summed away: zeros still connected to ``x`` (so every rank's backward
+    runs the same collectives), also on a rank whose block is empty."""
+    index = entries[position] % length
+    starts = [block_range(length, ctx.world_size, rank)[0] for rank in range(ctx.world_size)]
+    owner = max(rank for rank, start in enumerate(starts) if start <= index)
+    entries = list(entries)
+    entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
+    node.args = (node.args[0], tuple(entries))
+    if ctx.rank != owner:
+        empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
+        place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
+        node.op, node.target, node.args, node.kwargs = "call_function", summed_away, (empty, out_dim), {}
+        place(node, NodeSharding(sharding.output, sharding.global_value))
+
+
+def _split_dim(node):
+    names = ("input", "dim") if node.target in ("unbind", torch.unbind) else ("input", "sections", "dim")
+    return method_or_function_args(node, names, {"dim": 0})["dim"]
+
+
+@register(*SPLITS, *UNBINDS)
+def split_rule(node, view):
+    source = node.args[0]
+    factors = view.sharded(source)
+    outs = view.value(node)
+    if factors is None or not isinstance(outs, (tuple, list)):
+        return None
+    dim = normalize_dim(_split_dim(node), view.value(source).dim())
+    if dim == factors[0]:
+        return None
+    placement = view.placement(source)
+    if node.target in ("unbind", torch.unbind):
+        placement = with_dim(placement, factors[0] - (1 if dim < factors[0] else 0))
+    return Decision(tuple(placement for _ in outs), {source: view.placement(source)})
+
+
+def _is_legacy_empty(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+
+
+@register(*spellings("cat", "concat", "concatenate", "stack"))
+def cat_rule(node, view):
+    args = method_or_function_args(node, ("tensors", "dim"), {"dim": 0})
+    tensors, dim = args["tensors"], args["dim"]
+    parts = [t for t in tensors if not _is_legacy_empty(view.value(t))]
+    sharded = [view.placement(t) for t in parts if view.sharded(t) is not None]
+    if not sharded or any(p != sharded[0] for p in sharded):
+        return None
+    ndim = view.value(parts[0]).dim()
+    stacking = node.target is torch.stack
+    dim = normalize_dim(dim, ndim + 1 if stacking else ndim)
+    seq_dim = sharded[0].dim
+    if not stacking and dim == seq_dim:
+        if len(parts) != 1:
+            return None
+        return Decision(sharded[0], {parts[0]: sharded[0]})
+    out_placement = with_dim(sharded[0], seq_dim + 1 if stacking and dim <= seq_dim else seq_dim)
+    return Decision(out_placement, {t: sharded[0] for t in parts})
+
+
+@register(*spellings("gather"))
+def gather_rule(node, view):
+    """``torch.gather(x, dim, index)``: each output element reads ``x`` where its index says, so the
+    output is sharded like ``index``; ``x`` is read whole along ``dim`` and row-aligned elsewhere (a
+    token's own scores at its top-k experts when both are sharded alike)."""
+    args = method_or_function_args(node, ("input", "dim", "index"))
+    source, dim, index = args["input"], args["dim"], args["index"]
+    factors = view.sharded(index)
+    x = view.value(source)
+    if factors is not None and view.placement(source) == view.placement(index) \
+            and normalize_dim(dim, x.dim()) != factors[0] and x.shape[factors[0]] == view.value(index).shape[factors[0]]:
+        return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
+    if factors is None or view.placement(source) != REPLICATE or factors[1:] != (1, 1):
+        return None
+    seq_dim = factors[0]
+    if normalize_dim(dim, x.dim()) == seq_dim:
+        return Decision(view.placement(index), {index: view.placement(index), source: view.placement(source)})
+    if x.shape[seq_dim] != view.value(index).shape[seq_dim]:
+        return None
+    return Decision(view.placement(index), {index: view.placement(index), source: view.placement(index)})
