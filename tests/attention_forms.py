@@ -129,15 +129,18 @@ class AttentionWeightsReturned(nn.Module):
 
 
 class OtherSpellings(_FusedQKV):
-    """Hand-written attention spelled with the less common names of its ops: ``torch.special.softmax``,
-    the key transposed with ``swapaxes``, the scale as ``torch.div`` and ``torch.matmul``."""
+    """Hand-written attention spelled with the less common names of its ops, three times: the key
+    transposed with ``swapaxes``, ``.mT`` and ``permute`` (litgpt's Gemma 2), ``torch.special.softmax``,
+    the scale as ``torch.div`` and ``torch.matmul``."""
 
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        scores = torch.div(torch.matmul(q, k.swapaxes(-1, -2)), math.sqrt(self.head_dim))
-        probs = torch.special.softmax(scores, dim=-1)
-        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+        out = 0
+        for key in (k.swapaxes(-1, -2), k.mT, k.permute(0, 1, 3, 2)):
+            scores = torch.div(torch.matmul(q, key), math.sqrt(self.head_dim))
+            out = out + torch.special.softmax(scores, dim=-1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, s, d))
 
 
 class FlexDocumentsAlibi(_FusedQKV):

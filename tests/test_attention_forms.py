@@ -30,7 +30,7 @@ EXPECTED = {
     "nn_transformer_cross_attention": ([SDPA] * 3, "one"),
     "sdpa_gqa_bool_mask": ([SDPA], "gathered"),
     "sdpa_per_head_bias_6_heads": ([SDPA], "one"),
-    "other_spellings": (["matmul_softmax"], "one"),
+    "other_spellings": (["matmul_softmax"] * 3, "one"),
     "flex_documents_alibi": (["flex_attention"], "one"),
     "attention_weights_returned": (["matmul_softmax"], "one"),
     "value_after_scores": (["matmul_softmax"], "each"),

@@ -196,6 +196,17 @@ def test_embedding_is_sharded_like_its_ids_and_refused_with_max_norm():
     assert decide(node, {ids: Shard(1)}) is None
 
 
+def test_outer_of_sharded_positions_and_frequencies_shards_the_rows_and_of_both_is_refused():
+    node, (positions, frequencies) = build(torch.outer, empty(S), empty(H))
+    decision = decide(node, {positions: Shard(0)})
+    assert decision.output == Shard(0) and decision.inputs == {positions: Shard(0), frequencies: REPLICATE}
+    node, (frequencies, positions) = build("outer", empty(H), empty(S))
+    decision = decide(node, {positions: Shard(0)})
+    assert decision.output == Shard(1) and decision.inputs == {frequencies: REPLICATE, positions: Shard(0)}
+    node, (a, b) = build(torch.outer, empty(S), empty(S))
+    assert decide(node, {a: Shard(0), b: Shard(0)}) is None
+
+
 @pytest.mark.parametrize("bias_shape, demanded", [((6,), REPLICATE), ((S, 6), Shard(0))], ids=["row", "per token"])
 def test_addmm_keeps_rows_sharded_and_slices_a_per_token_bias(bias_shape, demanded):
     node, (bias, rows, w) = build(torch.addmm, empty(*bias_shape), empty(S, H), empty(H, 6))

@@ -2,7 +2,6 @@
 parallelism on an unmodified model, with eager-equal losses, outputs and gradients."""
 
 from ulysses_compile.backend import ulysses
-from ulysses_compile.data import SequenceParallelLoader
 from ulysses_compile.core.errors import (
     CollectiveError,
     DivisibilityError,
@@ -13,9 +12,10 @@ from ulysses_compile.core.errors import (
     UnsupportedError,
     VerificationError,
 )
-from ulysses_compile.explain import explain
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.report import Report
+from ulysses_compile.data import SequenceParallelLoader
+from ulysses_compile.explain import explain
 from ulysses_compile.zero import full_state_dict, parallelize, save_pretrained
 
 __all__ = [

@@ -13,6 +13,9 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.agreement import InputCheck, fingerprint, guarded, input_names
+from ulysses_compile.compiled_calls import CompiledCall, counted
+from ulysses_compile.core.boundary import leave_sharded, refuse_dtensor_inputs
+from ulysses_compile.core.collectives import gather_parameter
 from ulysses_compile.core.compat import (
     CompileContext,
     aot_autograd,
@@ -25,16 +28,13 @@ from ulysses_compile.core.compat import (
     no_graph_cse,
     orig_code_map,
 )
-from ulysses_compile.core.boundary import leave_sharded, refuse_dtensor_inputs
-from ulysses_compile.core.collectives import gather_parameter
-from ulysses_compile.compiled_calls import CompiledCall, counted
 from ulysses_compile.core.context import PassContext
 from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.core.options import Options
-from ulysses_compile.passes.bucket_zero_gathers import BucketZeroGathers, zero_unit
-from ulysses_compile.core.sharding import SHARDS
-from ulysses_compile.passes.pipeline import one_rank_rewrites, run_pipeline
 from ulysses_compile.core.report import GraphReport, layer_of
+from ulysses_compile.core.sharding import SHARDS
+from ulysses_compile.passes.bucket_zero_gathers import BucketZeroGathers, zero_unit
+from ulysses_compile.passes.pipeline import one_rank_rewrites, run_pipeline
 from ulysses_compile.verify import verified, verified_short
 
 log = logging.getLogger("ulysses_compile")

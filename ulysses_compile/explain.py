@@ -48,11 +48,11 @@ from ulysses_compile.core.compat import (
 )
 from ulysses_compile.core.errors import UlyssesError
 from ulysses_compile.core.memory import GraphMemory, StepMemory
-from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.report import CollectiveCall, Report, SiteReport, module_path
 from ulysses_compile.core.sharding import block_sizes, sharding_of
 from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
+from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
 from ulysses_compile.verify import differentiable_scalar
 from ulysses_compile.zero import compile_partitioned
 

@@ -32,8 +32,8 @@ import inspect
 
 from transformers import Trainer, TrainingArguments
 
-from ulysses_compile.data import SequenceParallelLoader
 from ulysses_compile.core.errors import OptionsError
+from ulysses_compile.data import SequenceParallelLoader
 from ulysses_compile.zero import parallelize, save_pretrained
 
 _TRAINER_PARAMETERS = frozenset(inspect.signature(Trainer.__init__).parameters)

@@ -245,7 +245,7 @@ class NodeSharding:
     global_value: Any  # the node's global example value (a FakeTensor, a tuple of them, or a constant)
     inputs: dict[fx.Node, Placement] = field(default_factory=dict)
     # How to turn the node's global computation into the local one, applied by ulysses_compile/passes/localize_ops.py.
-    localize: Callable[[fx.Node, Any], None] | None = None
+    localize: Callable[[fx.Node, "NodeSharding", Any], None] | None = None  # (node, its sharding, the pass context)
 
 
 def sharding_of(node: fx.Node) -> NodeSharding | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 
+from ulysses_compile.core import fx_graph
 from ulysses_compile.core.compat import (
     CustomGraphPass,
     OrderedSet,
@@ -37,7 +38,6 @@ from ulysses_compile.core.compat import (
     merge_all_gather,
     preserve_node_ordering,
 )
-from ulysses_compile.core import fx_graph
 from ulysses_compile.core.fx_graph import ancestors
 
 ZERO_GATHER = "ulysses_zero_gather"

@@ -29,7 +29,6 @@ from ulysses_compile.core.errors import DivisibilityError
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.sharding import block_sizes
 from ulysses_compile.core.sizes import pin_length_class
-
 from ulysses_compile.passes.attention_forms import AttentionSite, reading_form
 
 log = logging.getLogger("ulysses_compile")
@@ -56,13 +55,13 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
         _check_heads(site, ctx.world_size)
         pin_length_class(site.seq_len, ctx.world_size)
         pin_length_class(site.kv_seq_len, ctx.world_size)
-        site = replace(site, decision=_decide(site, ctx.world_size))
+        site = replace(site, decision=_decision(site, ctx.world_size))
         log.debug("ulysses_compile: attention %s", site.summary())
         sites.append(site)
     return Detection(sites, rejected)
 
 
-def _decide(site: AttentionSite, world_size: int) -> str:
+def _decision(site: AttentionSite, world_size: int) -> str:
     heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
     kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
     checkpointed = ", in a checkpointed region (recomputed in the backward)" if recompute_region(site.node) is not None else ""

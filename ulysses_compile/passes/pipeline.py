@@ -29,6 +29,10 @@ import torch.fx as fx
 from ulysses_compile.core.collectives import COLLECTIVES
 from ulysses_compile.core.compat import CHECKPOINTED_SIDE_EFFECTS, CompileContext, GuardOnDataDependentSymNode, first_line, trace_structured
 from ulysses_compile.core.context import PassContext
+from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.core.random_draws import random_draw
+from ulysses_compile.core.report import Collective, GraphReport, module_path
+from ulysses_compile.core.sharding import is_sharded, sharding_of
 from ulysses_compile.passes.average_data_parallel_grads import average_data_parallel_grads
 from ulysses_compile.passes.check_local_shapes import check_local_shapes
 from ulysses_compile.passes.decompose_multi_head_attention import decompose_multi_head_attention
@@ -41,25 +45,21 @@ from ulysses_compile.passes.propagate_sharding import propagate_sharding
 from ulysses_compile.passes.recognize_causal_mask import recognize_causal_mask
 from ulysses_compile.passes.recognize_flash_attention import recognize_flash_attention
 from ulysses_compile.passes.redistribute import redistribute
-from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.passes.regather_parameters import regather_parameters
 from ulysses_compile.passes.return_weight_inputs import return_weight_inputs
 from ulysses_compile.passes.tile_mlp import tile_mlp
 from ulysses_compile.passes.tile_token_loss import tile_token_loss
-from ulysses_compile.core.random_draws import random_draw
-from ulysses_compile.core.report import Collective, GraphReport, module_path
-from ulysses_compile.core.sharding import is_sharded, sharding_of
 
 log = logging.getLogger("ulysses_compile")
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
     report = GraphReport(captured=gm.code)
+    report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
     if ctx.world_size == 1:
         report.replicated = "the sequence-parallel group has 1 rank (data parallelism only)"
         report.notes += _run(report, recognize_causal_mask, gm, ctx)
     else:
-        report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
         report.rejected_attention += _run(report, decompose_multi_head_attention, gm, ctx)
         report.rejected_attention += _run(report, recognize_flash_attention, gm, ctx)
         report.notes += _run(report, recognize_causal_mask, gm, ctx)
@@ -80,10 +80,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
             _warn_once(report.replicated)
     if report.replicated:
         report.replicated_draws = _replicated_draws(gm)
-        # What a graph that is not split still needs: its checkpointed regions opened (the tags are this
-        # backend's), gradients averaged over a data-parallel mesh, ZeRO-3's re-gathers.
+        # What a graph that is not split still needs: gradients averaged over a data-parallel mesh,
+        # ZeRO-3's re-gathers.
         log.info("ulysses_compile: %s; it runs replicated on every rank", report.replicated)
-        report.notes += _run(report, inline_checkpoint_regions, gm, ctx)
         _run(report, average_data_parallel_grads, gm, ctx)
         _run(report, regather_parameters, gm, ctx)
     report.collectives = _collectives(gm)

@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.core.fx_graph import ancestors
+from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.core.report import Fallback, module_path
-from ulysses_compile.core.sizes import same_size
 from ulysses_compile.core.sharding import (
     REPLICATE,
     NodeSharding,
@@ -49,9 +49,8 @@ from ulysses_compile.core.sharding import (
     sharding_of,
     sort_orders,
 )
-
+from ulysses_compile.core.sizes import same_size
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
-from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
 from ulysses_compile.passes.rules.routing import FRESH_BUFFERS, whole_like
 from ulysses_compile.passes.sequence_dims import sequence_dims

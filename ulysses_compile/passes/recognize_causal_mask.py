@@ -46,12 +46,12 @@ import torch.fx as fx
 
 from ulysses_compile.core.compat import is_fake, real_tensors, symbol_hints, symbol_lower_bounds, symbolic_expr
 from ulysses_compile.core.errors import UlyssesError
-from ulysses_compile.passes.attention_forms.sdpa import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
-from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 from ulysses_compile.core.fx_graph import erase_unused
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.sizes import is_symbolic, same_size
+from ulysses_compile.passes.attention_forms.sdpa import SDPA_PARAMS, SDPA_TARGETS, sdpa_arguments
+from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 
 log = logging.getLogger("ulysses_compile")
 

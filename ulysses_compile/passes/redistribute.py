@@ -49,6 +49,7 @@ from ulysses_compile.core.collectives import (
     sync_grad,
 )
 from ulysses_compile.core.errors import InternalError
+from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.core.sharding import (
     REPLICATE,
     NodeSharding,
@@ -65,9 +66,7 @@ from ulysses_compile.core.sharding import (
     sharding_of,
 )
 from ulysses_compile.core.sizes import is_symbolic
-
 from ulysses_compile.passes.in_place_writes import alias_bases, may_alias, written_bases
-from ulysses_compile.core.fx_graph import mutated_arg
 
 
 log = logging.getLogger("ulysses_compile")

@@ -30,7 +30,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ulysses_compile.core.collectives import gather_parameter
 from ulysses_compile.core.compat import recompute_region, tag_recompute
 from ulysses_compile.core.report import layer_of, module_path
-
 from ulysses_compile.passes.bucket_zero_gathers import tag_zero_gather
 
 _SIGNATURE = inspect.signature(gather_parameter)

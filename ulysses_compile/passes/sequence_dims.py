@@ -15,10 +15,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.core.fx_graph import index_entries, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import seq_factors
-
-from ulysses_compile.core.fx_graph import index_entries, method_or_function_args, normalize_dim
 from ulysses_compile.passes.rules.shape_ops import SPLITS, TRANSPOSES, UNBINDS, VIEWS, view_placement
 
 PRODUCTS = spellings("linear", "matmul", "bmm")

@@ -42,11 +42,10 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.compat import recompute_region
+from ulysses_compile.core.fx_graph import insert_part
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.runtime import tiled_gated_mlp
 from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
-
-from ulysses_compile.core.fx_graph import insert_part
 
 _LINEARS = spellings("linear")
 _ACTIVATIONS = {function: name for name in ("silu", "gelu") for function in spellings(name)}

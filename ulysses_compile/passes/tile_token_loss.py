@@ -48,11 +48,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.core.fx_graph import erase_unused, insert_part, method_or_function_args
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.runtime import token_loss_sum
 from ulysses_compile.core.sharding import NodeSharding, place, sharding_of
-
-from ulysses_compile.core.fx_graph import erase_unused, insert_part, method_or_function_args
 from ulysses_compile.passes.rules.losses import PARAMS
 
 _LINEARS = spellings("linear")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
-
 from ulysses_compile.passes.attention_forms.site import AttentionSite, Slot, global_value_of, read_site, tensor_kinds, value_of
 
 __all__ = ["FORMS", "AttentionForm", "AttentionSite", "Slot", "global_value_of", "read_site", "reading_form", "value_of"]

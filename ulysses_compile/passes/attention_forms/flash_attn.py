@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.core.random_draws import value_at_compile
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import flash_attention, flash_attention_varlen
 from ulysses_compile.core.sharding import REPLICATE, Shard
-
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, global_value_of, read_site, value_of
+from ulysses_compile.passes.rules import Decision, register
 
 
 class FlashAttention(AttentionForm):

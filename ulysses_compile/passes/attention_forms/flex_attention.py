@@ -18,11 +18,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
-
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, global_value_of, rank_heads_of, read_site
+from ulysses_compile.passes.rules import Decision, register
 
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 _SCORE_MOD, _BLOCK_MASK = 3, 4  # argument positions

@@ -14,12 +14,11 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.ops import CASTS, spellings
-from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import attention_output
 from ulysses_compile.core.sharding import Shard
-
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, AttentionSite, Slot, read_site, value_of
+from ulysses_compile.passes.rules import Decision, register
 
 SOFTMAX = spellings("softmax")
 MATMUL = spellings("matmul", "bmm")
@@ -139,12 +138,20 @@ def _probs_operand(node):
 
 
 def _transposed_last_dims(node):
-    """``k`` when ``node`` is ``k.transpose(-2, -1)`` (or ``swapaxes``; any spelling of the last two dims),
-    else None."""
-    if not _is(node, spellings("transpose", "swapaxes", "swapdims")) or len(node.args) < 3:
+    """``k`` when ``node`` is k with its last two dims swapped: ``k.transpose(-2, -1)`` (or ``swapaxes``,
+    ``swapdims``; any spelling of the dims), ``k.mT``, ``k.permute(0, 1, 3, 2)``; else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     source = node.args[0]
     ndim = value_of(source).dim()
+    if node.op == "call_function" and node.target is getattr:
+        return source if node.args[1] == "mT" else None
+    if _is(node, spellings("permute")):
+        dims = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
+        dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
+        return source if [d % ndim for d in dims] == [*range(ndim - 2), ndim - 1, ndim - 2] else None
+    if not _is(node, spellings("transpose", "swapaxes", "swapdims")) or len(node.args) < 3:
+        return None
     return source if {d % ndim for d in node.args[1:3]} == {ndim - 2, ndim - 1} else None
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import attention_heads_dropout
 from ulysses_compile.core.sharding import REPLICATE, Shard
-
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, read_site, value_of
+from ulysses_compile.passes.rules import Decision, register
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

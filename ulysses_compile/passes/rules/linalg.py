@@ -9,11 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ulysses_compile.core.fx_graph import method_or_function_args
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import PARTIAL, REPLICATE, seq_shard, with_dim
-
-from ulysses_compile.core.fx_graph import method_or_function_args
-
 from ulysses_compile.passes.rules import Decision, register
 
 
@@ -28,6 +26,19 @@ def linear_rule(node, view):
     if isinstance(args.get("bias"), torch.fx.Node):
         demands[args["bias"]] = REPLICATE
     return Decision(view.placement(x), demands)
+
+
+@register(*spellings("outer", "ger"))
+def outer_rule(node, view):
+    """``torch.outer(positions, inv_freq)`` (RoPE's angles): rows follow the first vector, columns the
+    second; one of them sharded."""
+    args = method_or_function_args(node, ("input", "vec2"))
+    rows, columns = args["input"], args["vec2"]
+    if view.sharded(rows) is not None and view.sharded(columns) is None:
+        return Decision(with_dim(view.placement(rows), 0), {rows: view.placement(rows), columns: REPLICATE})
+    if view.sharded(columns) is not None and view.sharded(rows) is None:
+        return Decision(with_dim(view.placement(columns), 1), {rows: REPLICATE, columns: view.placement(columns)})
+    return None
 
 
 @register(*spellings("addmm"))

@@ -15,12 +15,10 @@ import operator
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ulysses_compile.core.fx_graph import insert_part, method_or_function_args
 from ulysses_compile.core.runtime import counted_tokens
 from ulysses_compile.core.sharding import PARTIAL, REPLICATE, NodeSharding, place, with_dim
 from ulysses_compile.core.sizes import size_arg
-
-from ulysses_compile.core.fx_graph import insert_part, method_or_function_args
-
 from ulysses_compile.passes.rules import Decision, register
 
 PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")

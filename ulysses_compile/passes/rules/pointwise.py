@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.fx_graph import method_or_function_args, mutated_arg
 from ulysses_compile.core.ops import elementwise, spellings
 from ulysses_compile.core.runtime import dropout_block
 from ulysses_compile.core.sharding import REPLICATE, seq_factors, seq_shard
 from ulysses_compile.core.sizes import size_arg
-
-from ulysses_compile.core.fx_graph import method_or_function_args, mutated_arg
-
 from ulysses_compile.passes.rules import Decision, register
 
 CAST_LIKE = ("type_as", "to")  # a cast whose second argument may be a tensor read only for its dtype

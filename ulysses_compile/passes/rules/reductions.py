@@ -14,12 +14,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.fx_graph import insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import PARTIAL, REPLICATE, NodeSharding, PartialScan, place, sharding_of, with_dim
 from ulysses_compile.core.sizes import size_arg
-
-from ulysses_compile.core.fx_graph import insert_part, method_or_function_args, normalize_dim
-
 from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.passes.rules.pointwise import pointwise
 

@@ -33,6 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ulysses_compile.core.fx_graph import descendants
+from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
+from ulysses_compile.core.ops import CASTS, elementwise, spellings
 from ulysses_compile.core.sharding import (
     PARTIAL,
     REPLICATE,
@@ -49,11 +51,7 @@ from ulysses_compile.core.sharding import (
     sharding_of,
     with_dim,
 )
-from ulysses_compile.core.ops import CASTS, elementwise, spellings
 from ulysses_compile.core.sizes import same_size, size_arg
-
-from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
-
 from ulysses_compile.passes.rules import Decision, register
 from ulysses_compile.passes.rules.pointwise import CAST_LIKE, cast_like
 from ulysses_compile.passes.rules.reductions import SUM_PARAMS, _keepdim, _reduced_dims

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.compat import statically_known_true
+from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.runtime import summed_away
 from ulysses_compile.core.sharding import (
@@ -29,9 +30,6 @@ from ulysses_compile.core.sharding import (
     with_dim,
 )
 from ulysses_compile.core.sizes import same_size, size_arg
-
-from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
-
 from ulysses_compile.passes.rules import Decision, register
 
 # The op tables the rules register and sequence_dims.py walks back through.
