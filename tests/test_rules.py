@@ -545,10 +545,11 @@ def test_indexing_leaving_the_sequence_whole_stays_sharded_and_one_position_of_i
     assert (decision.localize is not None) == (output == PARTIAL)
 
 
-@pytest.mark.parametrize("index", [(slice(None), slice(1, None)), (slice(None), slice(None, None, 2)),
+@pytest.mark.parametrize("index", [(slice(None), slice(None, None, 2)), (slice(None), slice(None, 1)),
                                    (slice(None), [0, 2]), (slice(None), torch.tensor([0, 1])),
                                    torch.tensor([1, 0])],
-                         ids=["shifted", "strided", "listed", "tensor index", "tensor index on the batch"])
+                         ids=["strided", "shorter than the ranks", "listed", "tensor index",
+                              "tensor index on the batch"])
 def test_indexing_into_the_sequence_or_with_a_tensor_is_refused(index):
     node, (x, *_) = build(operator.getitem, empty(B, S, H), index)
     assert decide(node, {x: Shard(1)}) is None

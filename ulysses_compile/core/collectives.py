@@ -25,6 +25,10 @@ seq_to_heads         S(seq) -> S(heads)         the inverse all-to-all (autograd
 seq_to_heads_qkv     the same for q, k and v    one inverse all-to-all
                      in one all-to-all
 heads_to_seq         S(heads) -> S(seq)         the inverse all-to-all
+reblock_seq          S -> S of a slice of the   the inverse all-to-all (each row's gradient back to
+                     sequence, in its own       the rank that sent it)
+                     blocks: rows between
+                     neighbours
 ===================  =========================  ======================================================
 """
 
@@ -52,6 +56,7 @@ __all__ = [
     "gather_seq",
     "heads_to_seq",
     "insert_call",
+    "reblock_seq",
     "reduce_partial",
     "scatter_seq",
     "seq_to_heads",
@@ -312,6 +317,27 @@ def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tupl
     return whole.index_select(head_dim, torch.tensor(kv_index, device=x.device))
 
 
+def reblock_seq(x, dim: int, held: tuple, wanted: tuple, rank: int, world_size: int, group_name: str):
+    """The rows of a sequence regrouped over the ranks: rank r holds the global rows ``held[r]`` and
+    receives ``wanted[r]`` (each ``(first, count)``), each row from the rank that holds it, in one
+    all-to-all. For ``x[:, 1:]`` of a sequence in balanced blocks, taken in the balanced blocks of its
+    own length, that is one row across each rank boundary."""
+    first = held[rank][0]
+    chunks = []
+    for want in wanted:
+        start, count = _overlap(held[rank], want)
+        chunks.append([x.narrow(dim, start - first if count else 0, count)])
+    shapes = [[[*x.shape[:dim], _overlap(held[source], wanted[rank])[1], *x.shape[dim + 1:]]]
+              for source in range(world_size)]
+    return torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """``(first, count)`` of the rows both row ranges ``(first, count)`` hold."""
+    start = max(a[0], b[0])
+    return start, max(min(a[0] + a[1], b[0] + b[1]) - start, 0)
+
+
 def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int, group_name: str):
     """A cumulative sum along the sharded sequence: this rank's local cumsum plus the totals of the
     ranks before it (their blocks come first). Gradients reach those ranks through the all-gather's
@@ -362,7 +388,7 @@ def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size:
 
 
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,
-               heads_to_seq, gather_kv_heads,
+               heads_to_seq, gather_kv_heads, reblock_seq,
                add_previous_ranks_totals)
 
 

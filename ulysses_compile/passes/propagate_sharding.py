@@ -152,10 +152,10 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                       for arg in view.tensor_args(node)}
             place(node, NodeSharding(by_heads, value, inputs))
         else:
-            sharding, fallback = _decide(node, value, view, ctx, node in starts, node in site_nodes,
-                                         seq_dims, seq_lengths, refused.get(node.name))
+            sharding, fallback, copies = _decide(node, value, view, ctx, node in starts, node in site_nodes,
+                                                 seq_dims, seq_lengths, refused.get(node.name))
             placed.fallbacks += [fallback] if fallback is not None else []
-            if may_alias(node) and fallback is not None:
+            if may_alias(node) and (fallback is not None or copies):
                 placed.copies.append(node)
             elif may_alias(node) and isinstance(sharding.output, Partial):
                 placed.reductions.append(node)
@@ -216,17 +216,17 @@ def _replicated_like(value):
 
 
 def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is_site: bool,
-            seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None]:
+            seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None, bool]:
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
     if any(is_permuted(p) for p in placements):
         rule = rule_for(node, permuted=True)
         decision = rule(node, view) if rule else None
         if decision is not None:
-            return NodeSharding(decision.output, value, decision.inputs, decision.localize), None
+            return NodeSharding(decision.output, value, decision.inputs, decision.localize), None, decision.copies
         if any(isinstance(p, (PermutedShard, Positions)) for p in placements):
             # No rule for global layouts may read them: propagation makes their sort run whole instead.
-            return NodeSharding(_replicated_like(value), value, replicate_all(view, node)), None
+            return NodeSharding(_replicated_like(value), value, replicate_all(view, node)), None, False
     rule = None if refused else rule_for(node)
     pending = {arg: completed(p) for arg, p in zip(tensor_args, placements)
                if not isinstance(p, tuple) and completed(p) != p}
@@ -237,7 +237,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
         # An in-place op is never where sharding starts: it would write into a sliced copy.
         seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
             if starts_sharding and rule and mutated_arg(node) is None else None
-        return seeded or NodeSharding(_replicated_like(value), value), None
+        return seeded or NodeSharding(_replicated_like(value), value), None, False
     decision = rule(node, view) if rule else None
     fallback = None
     if decision is None:
@@ -250,7 +250,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
         if _writes_into_a_copy(node, sharding, view):
             sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
             fallback = _fallback_report(node, view, "it writes in place into a whole tensor, which stays whole")
-    return sharding, fallback
+    return sharding, fallback, decision is not None and fallback is None and decision.copies
 
 
 def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -> bool:

@@ -31,6 +31,9 @@ class Decision:
     output: OutputPlacement
     inputs: dict[fx.Node, Placement] = field(default_factory=dict)
     localize: Callable | None = None
+    # The local result is a copy where eager's is a view (a slice whose rows move between ranks): writes
+    # to its base after it, or through it, must keep the base whole, as for a view of a gathered copy.
+    copies: bool = False
 
 
 def register(*targets, permuted: bool = False) -> Callable[[Rule], Rule]:

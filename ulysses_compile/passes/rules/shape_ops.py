@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.collectives import insert_call, reblock_seq
 from ulysses_compile.core.compat import statically_known_true
 from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import CASTS, spellings
@@ -22,14 +23,18 @@ from ulysses_compile.core.sharding import (
     PARTIAL,
     REPLICATE,
     NodeSharding,
+    PermutedShard,
+    Shard,
     block_range,
     is_rank_local,
     local_shape,
     place,
+    seq_factors,
     seq_shard,
+    sharding_of,
     with_dim,
 )
-from ulysses_compile.core.sizes import same_size, size_arg
+from ulysses_compile.core.sizes import is_symbolic, same_size, size_arg
 from ulysses_compile.passes.rules import Decision, register
 
 # The op tables the rules register and sequence_dims.py walks back through.
@@ -376,12 +381,49 @@ def _indexed(view, source, index) -> Decision | None:
                                              out_dim=out_dim, length=value.shape[dim])
                 return Decision(PARTIAL, {source: placement}, localize)
             if not _is_full_slice(entry, value.shape[dim]):
-                return None
+                return _sequence_slice(view, placement, value.shape[dim], entries, position, out_dim, source)
             return Decision(with_dim(placement, out_dim), {source: placement})
         if isinstance(entry, (slice, list)):
             out_dim += 1
         in_dim += 1
     return None
+
+
+def _sequence_slice(view, placement, length, entries, position, out_dim, source) -> Decision | None:
+    """``x[..., a:b, ...]`` of a sequence in balanced blocks: the slice in the balanced blocks of its own
+    length, each rank receiving the few rows its new block takes from a neighbour (``reblock_seq``): a
+    one-token shift (``x[:, 1:] + x[:, :-1]``, ``logits[:, :-1]``) moves one row per rank boundary."""
+    entry = entries[position]
+    bounds = (entry.start, entry.stop) if isinstance(entry, slice) else ()
+    if not bounds or entry.step not in (None, 1) or isinstance(placement, PermutedShard) \
+            or seq_factors(placement)[1:] != (1, 1) or is_symbolic(length) \
+            or any(bound is not None and not isinstance(bound, int) for bound in bounds):
+        return None
+    start, stop, _ = entry.indices(length)
+    # Every rank sends and receives rows (an empty exchange would let the partitioner place it apart on
+    # that rank): the slice spans every rank's block and is at least as long as there are ranks.
+    blocks = [block_range(length, view.world_size, rank) for rank in range(view.world_size)]
+    if stop - start < view.world_size or any(first + count <= start or first >= stop for first, count in blocks):
+        return None
+    localize = functools.partial(_localize_sequence_slice, entries=entries, position=position, length=length,
+                                 start=start, stop=stop)
+    return Decision(with_dim(placement, out_dim), {source: placement}, localize, copies=True)
+
+
+def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position, length, start, stop) -> None:
+    source = node.args[0]
+    dim = seq_factors(sharding_of(source).output)[0]
+    held = tuple(block_range(length, ctx.world_size, rank) for rank in range(ctx.world_size))
+    wanted = tuple((start + first, count) for first, count in
+                   (block_range(stop - start, ctx.world_size, rank) for rank in range(ctx.world_size)))
+    moved = insert_call(node.graph, reblock_seq, (source, dim, held, wanted, ctx.rank, ctx.world_size, ctx.group_name),
+                        before=node)
+    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value.narrow(dim, start, stop - start),
+                              {source: Shard(dim)}))
+    entries = list(entries)
+    entries[position] = slice(None)
+    node.args = (moved, tuple(entries))
+    place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
 
 
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:

@@ -1,0 +1,88 @@
+"""Slices of a sharded sequence (``x[:, 1:]``, ``logits[:, :-1]``): each takes the balanced blocks of its
+own length, the rows crossing a rank boundary moved by one all-to-all (``reblock_seq``), never the whole
+sequence gathered. Written as plain PyTorch does it: nanochat's smear (each position mixed with the one
+before it) and a causal LM loss shifted by hand as minGPT writes it."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphs import calls, rewritten_graphs
+from multirank import compare_model, run_ranks
+from test_rules import build, decide, empty
+from ulysses_compile.core.collectives import gather_blocks, gather_seq, reblock_seq, seq_to_heads_qkv
+from ulysses_compile.core.sharding import Shard
+
+VOCAB, DIM, HEADS = 64, 32, 4
+
+
+class SmearedShiftedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.smear_gate = nn.Linear(DIM, 1)
+        self.mix = nn.Linear(DIM, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        gate = torch.sigmoid(self.smear_gate(x[:, 1:]))
+        x = x[:, 1:] + gate * x[:, :-1]  # nanochat's smear: each position mixed with the one before it
+        x = x + self.mix(x)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        logits = self.head(x)
+        # minGPT's loss, shifted by hand: position t predicts the token after it (t + 2 of idx here)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 2:].reshape(-1))
+
+
+def _ids(seq: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def test_a_slice_of_the_sharded_sequence_stays_sharded_unless_strided():
+    node, (x,) = build(operator.getitem, empty(2, 8, 4), (slice(None), slice(1, None)))
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs == {x: Shard(1)} and decision.localize is not None
+    node, (x,) = build(operator.getitem, empty(2, 8, 4), (slice(None), slice(None, None, 2)))
+    assert decide(node, {x: Shard(1)}) is None
+    node, (x,) = build(operator.getitem, empty(2, 8, 4), (slice(None), slice(None, 1)))
+    assert decide(node, {x: Shard(1)}) is None  # shorter than the ranks: some would receive nothing
+
+
+def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(SmearedShiftedLM(), (_ids(35),))
+    report = gm.meta["ulysses_report"]
+    assert report.fallbacks == [] and [site.spelling for site in report.attention_sites] == [
+        "scaled_dot_product_attention"]
+    assert len(calls(gm, reblock_seq)) == 4  # x[:, 1:] read twice, x[:, :-1], logits[:, :-1]: rows move
+    assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
+    assert len(calls(gm, seq_to_heads_qkv)) == 1
+
+
+def smeared_lm_equal_to_eager(rank, world_size, seq):
+    torch.manual_seed(0)
+    model = SmearedShiftedLM()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})
+    loss = compiled(_ids(seq))
+    loss.backward()
+    want = reference(_ids(seq))
+    want.backward()
+    compare_model(rank, model, reference, {"loss": (loss, want)})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
+def test_the_smear_and_the_shifted_loss_equal_to_eager(world_size, seq):
+    run_ranks(smeared_lm_equal_to_eager, world_size, seq)
