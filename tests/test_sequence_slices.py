@@ -70,9 +70,40 @@ def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
     assert len(calls(gm, seq_to_heads_qkv)) == 1
 
 
-def smeared_lm_equal_to_eager(rank, world_size, seq):
+class SlicedWhereShardingStarts(nn.Module):
+    """Slices where sharding starts or a partial value meets them: inputs cut from a replicated batch
+    (``batch[:, :-1]``), a running sum's tail, and logits sliced after a graph break (a value that
+    arrives as the rank's block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, batch):
+        idx, targets = batch[:, :-1], batch[:, 1:]
+        x = self.embed(idx)
+        x = x + x.cumsum(1)[:, :1].expand_as(x) * 0.01
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        logits = self.head(x)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, :-1].reshape(-1))
+
+
+def test_slices_where_sharding_starts_compile_and_run_sharded(fake_group):
+    fake_group(2)
     torch.manual_seed(0)
-    model = SmearedShiftedLM()
+    graphs = rewritten_graphs(SlicedWhereShardingStarts(), (_ids(33),))
+    reports = [gm.meta["ulysses_report"] for gm in graphs]
+    assert [len(report.attention_sites) for report in reports] == [1, 0]
+
+
+def equal_to_eager(rank, world_size, seq, model_class):
+    torch.manual_seed(0)
+    model = model_class()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="ulysses", options={"compiler": "aot_eager"})
     loss = compiled(_ids(seq))
@@ -83,6 +114,11 @@ def smeared_lm_equal_to_eager(rank, world_size, seq):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
+@pytest.mark.parametrize("world_size, seq", [(2, 33), (2, 34), (4, 35)], ids=["P2 uneven", "P2 even", "P4 uneven"])
 def test_the_smear_and_the_shifted_loss_equal_to_eager(world_size, seq):
-    run_ranks(smeared_lm_equal_to_eager, world_size, seq)
+    run_ranks(equal_to_eager, world_size, seq, SmearedShiftedLM)
+
+
+@pytest.mark.multirank
+def test_slices_where_sharding_starts_equal_to_eager_at_two_ranks():
+    run_ranks(equal_to_eager, 2, 33, SlicedWhereShardingStarts)

@@ -86,8 +86,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
             if base in attention:
                 raise UnsupportedError(
                     f"{base.name} (inside an attention at {module_path(base) or base.name}) is written in place and viewed by "
-                    f"{view.name} ({view.target}), which has no sequence-sharded form here, so the view would be a "
-                    f"copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
+                    f"{view.name} ({view.target}), which has no sequence-sharded view here (it would run on a "
+                    f"gathered copy, or move its rows), so the view would be a copy that misses the write; write it out of place (for example y = y * s instead of y.mul_(s))"
                 )
             whole[base] = f"it is written in place and viewed by {view.name}, which cannot stay sharded, so it is kept whole"
         for base, (writer, refusal) in placed.whole_writes.items():

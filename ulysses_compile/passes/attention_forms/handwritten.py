@@ -140,7 +140,8 @@ def _probs_operand(node):
 def _transposed_last_dims(node):
     """``k`` when ``node`` is k with its last two dims swapped: ``k.transpose(-2, -1)`` (or ``swapaxes``,
     ``swapdims``; any spelling of the dims), ``k.mT``, ``k.permute(0, 1, 3, 2)``; else None."""
-    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or not isinstance(node.args[0].meta.get("example_value"), torch.Tensor):
         return None
     source = node.args[0]
     ndim = value_of(source).dim()

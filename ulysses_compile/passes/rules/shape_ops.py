@@ -23,7 +23,6 @@ from ulysses_compile.core.sharding import (
     PARTIAL,
     REPLICATE,
     NodeSharding,
-    PermutedShard,
     Shard,
     block_range,
     is_rank_local,
@@ -395,11 +394,15 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
     one-token shift (``x[:, 1:] + x[:, :-1]``, ``logits[:, :-1]``) moves one row per rank boundary."""
     entry = entries[position]
     bounds = (entry.start, entry.stop) if isinstance(entry, slice) else ()
-    if not bounds or entry.step not in (None, 1) or isinstance(placement, PermutedShard) \
+    # Only a source already in blocks (not one offered sharded to start sharding from, nor a partial
+    # value completed for the rule): where sharding starts, the slice's source is taken in blocks instead.
+    if not bounds or entry.step not in (None, 1) or view.actual_placement(source) != placement \
             or seq_factors(placement)[1:] != (1, 1) or is_symbolic(length) \
             or any(bound is not None and not isinstance(bound, int) for bound in bounds):
         return None
     start, stop, _ = entry.indices(length)
+    if (start, stop) == (0, length):
+        return Decision(with_dim(placement, out_dim), {source: placement})
     # Every rank sends and receives rows (an empty exchange would let the partitioner place it apart on
     # that rank): the slice spans every rank's block and is at least as long as there are ranks.
     blocks = [block_range(length, view.world_size, rank) for rank in range(view.world_size)]
@@ -412,7 +415,7 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
 
 def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position, length, start, stop) -> None:
     source = node.args[0]
-    dim = seq_factors(sharding_of(source).output)[0]
+    dim = seq_factors(sharding.inputs[source])[0]
     held = tuple(block_range(length, ctx.world_size, rank) for rank in range(ctx.world_size))
     wanted = tuple((start + first, count) for first, count in
                    (block_range(stop - start, ctx.world_size, rank) for rank in range(ctx.world_size)))
