@@ -71,6 +71,20 @@ def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
     assert rejected.startswith("mixing") and "softmax runs over dim -2, not over the key positions" in rejected
 
 
+def test_a_key_already_transposed_by_its_layout_is_rejected_with_the_reason(fake_group):
+    """k^T unbound from one tensor with q and v (no transpose node to read): reported, computed whole."""
+
+    class UnboundKeyTransposed(torch.nn.Module):
+        def forward(self, qkv):
+            q, key_transposed, v = qkv.unbind(0)
+            return torch.softmax(q @ key_transposed, dim=-1) @ v
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(UnboundKeyTransposed(), (torch.randn(3, 2, 4, 16, 16),))
+    (rejected,) = gm.meta["ulysses_report"].rejected_attention
+    assert "the second operand of q @ k^T is not k transposed" in rejected
+
+
 def test_sdpa_without_a_head_dim_is_rejected_with_the_reason(fake_group):
     fake_group(2)
     model, args, kwargs = FORMS["sdpa_without_head_dim"]()
