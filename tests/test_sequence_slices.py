@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from graphs import calls, rewritten_graphs
 from multirank import compare_model, run_ranks
 from test_rules import build, decide, empty
-from ulysses_compile.core.collectives import gather_blocks, gather_seq, reblock_seq, seq_to_heads_qkv
+from ulysses_compile.core.collectives import gather_blocks, gather_seq, heads_to_seq, reblock_seq, seq_to_heads_qkv
 from ulysses_compile.core.sharding import Shard
 
 VOCAB, DIM, HEADS = 64, 32, 4
@@ -99,6 +99,7 @@ def test_slices_where_sharding_starts_compile_and_run_sharded(fake_group):
     graphs = rewritten_graphs(SlicedWhereShardingStarts(), (_ids(33),))
     reports = [gm.meta["ulysses_report"] for gm in graphs]
     assert [len(report.attention_sites) for report in reports] == [1, 0]
+    assert len(calls(graphs[0], seq_to_heads_qkv)) == len(calls(graphs[0], heads_to_seq)) == 1
 
 
 def equal_to_eager(rank, world_size, seq, model_class):

@@ -405,23 +405,22 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
         return Decision(with_dim(placement, out_dim), {source: placement})
     # Every rank sends and receives rows (an empty exchange would let the partitioner place it apart on
     # that rank): the slice spans every rank's block and is at least as long as there are ranks.
-    blocks = [block_range(length, view.world_size, rank) for rank in range(view.world_size)]
-    if stop - start < view.world_size or any(first + count <= start or first >= stop for first, count in blocks):
+    held = tuple(block_range(length, view.world_size, rank) for rank in range(view.world_size))
+    if stop - start < view.world_size or any(first + count <= start or first >= stop for first, count in held):
         return None
-    localize = functools.partial(_localize_sequence_slice, entries=entries, position=position, length=length,
-                                 start=start, stop=stop)
+    wanted = tuple((start + first, count) for first, count in
+                   (block_range(stop - start, view.world_size, rank) for rank in range(view.world_size)))
+    localize = functools.partial(_localize_sequence_slice, entries=entries, position=position,
+                                 dim=seq_factors(placement)[0], held=held, wanted=wanted)
     return Decision(with_dim(placement, out_dim), {source: placement}, localize, copies=True)
 
 
-def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position, length, start, stop) -> None:
+def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position, dim, held, wanted) -> None:
     source = node.args[0]
-    dim = seq_factors(sharding.inputs[source])[0]
-    held = tuple(block_range(length, ctx.world_size, rank) for rank in range(ctx.world_size))
-    wanted = tuple((start + first, count) for first, count in
-                   (block_range(stop - start, ctx.world_size, rank) for rank in range(ctx.world_size)))
     moved = insert_call(node.graph, reblock_seq, (source, dim, held, wanted, ctx.rank, ctx.world_size, ctx.group_name),
                         before=node)
-    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value.narrow(dim, start, stop - start),
+    start, length = wanted[0][0], sum(count for _, count in wanted)
+    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value.narrow(dim, start, length),
                               {source: Shard(dim)}))
     entries = list(entries)
     entries[position] = slice(None)
