@@ -91,6 +91,9 @@ def model_zoo() -> dict:
         "mistral": (_causal(t.MistralConfig, t.MistralForCausalLM), "causal"),
         "qwen3": (_causal(t.Qwen3Config, t.Qwen3ForCausalLM, head_dim=16), "causal"),
         "gemma": (_causal(t.GemmaConfig, t.GemmaForCausalLM, head_dim=16), "causal"),
+        # Local layers whose window (8) is shorter than the sequence: the mask is built from position ids.
+        "gemma3_sliding": (_causal(t.Gemma3TextConfig, t.Gemma3ForCausalLM, head_dim=16, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"]), "causal"),
         "gemma2_softcap": (_causal(t.Gemma2Config, t.Gemma2ForCausalLM, head_dim=16, attn_implementation="eager",
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "causal"),
         # Learned per-head sink logits joined to the scores (the router's top-k is gathered: issue 21).

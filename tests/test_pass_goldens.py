@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 from attention_forms import FORMS
-from graphs import rewritten_graphs
+from graphs import calls, rewritten_graphs
 import ulysses_compile.passes.pipeline
+from ulysses_compile.core.collectives import gather_seq
 from ulysses_compile.core.compat import recompute_region
 
 DIM, HEADS, SEQ = 16, 2, 8
@@ -49,6 +50,16 @@ class MaskedAttention(SDPAttention):
         positions = torch.arange(q.shape[2], device=q.device)
         mask = (positions[None, :] <= positions[:, None])[None, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class DroppedMask(SDPAttention):
+    """A mask built from positions and then not used, as transformers does where its window covers the
+    sequence: the positions also reach the queries (a position embedding), so they are sharded."""
+
+    def attend(self, q, k, v, past_tokens=0):
+        positions = torch.arange(q.shape[2], device=q.device) + past_tokens
+        torch.diff(positions, prepend=positions[:1] - 1) != 1  # built, then not read
+        return F.scaled_dot_product_attention(q + positions[:, None] * 1e-3, k, v, is_causal=True)
 
 
 class HandwrittenAttention(SDPAttention):
@@ -171,6 +182,16 @@ def test_detect_attention(fake_group):
 -    transpose_1 = matmul_1.transpose(1, 2)
 +    attention_output = ulysses_compile_core_runtime_attention_output(matmul_1, 1, 2)
 +    transpose_1 = attention_output.transpose(1, 2)""")
+
+
+def test_drop_dead_values(fake_group):
+    gm, report = _report(fake_group, DroppedMask(), _features())
+    assert_expected_inline(_changes(report, "drop_dead_values"), """\
+-    getitem_3 = positions[slice(None, 1, None)]
+-    sub = getitem_3 - 1
+-    diff = torch.diff(positions, prepend = sub)
+-    ne = diff != 1""")
+    assert report.fallbacks == [] and calls(gm, gather_seq) == []
 
 
 def test_propagate_sharding(fake_group):
@@ -385,7 +406,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 17, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 18, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -5,7 +5,7 @@ in place and returns what it found (attention sites, fallbacks, notes), which on
 into the graph's report. The phases::
 
     open checkpointed regions, recognize attention forms     (every graph)
-    detect attention -> sites                                (decides: split, or run replicated)
+    drop dead values, detect attention -> sites              (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
     localize ops, redistribute -> gathered and sharded outputs, tile token losses, tile MLPs,
     average data-parallel gradients, merge ZeRO's gradient reductions, regather parameters,
@@ -37,6 +37,7 @@ from ulysses_compile.passes.average_data_parallel_grads import average_data_para
 from ulysses_compile.passes.check_local_shapes import check_local_shapes
 from ulysses_compile.passes.decompose_multi_head_attention import decompose_multi_head_attention
 from ulysses_compile.passes.detect_attention import AttentionSite, Detection, detect_attention
+from ulysses_compile.passes.drop_dead_values import drop_dead_values
 from ulysses_compile.passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from ulysses_compile.passes.insert_all_to_all import insert_all_to_all
 from ulysses_compile.passes.localize_ops import localize_ops
@@ -63,6 +64,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         report.rejected_attention += _run(report, decompose_multi_head_attention, gm, ctx)
         report.rejected_attention += _run(report, recognize_flash_attention, gm, ctx)
         report.notes += _run(report, recognize_causal_mask, gm, ctx)
+        _run(report, drop_dead_values, gm, ctx)
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
