@@ -194,6 +194,28 @@ def test_drop_dead_values(fake_group):
     assert report.fallbacks == [] and calls(gm, gather_seq) == []
 
 
+def test_drop_dead_values_keeps_what_has_effects(fake_group):
+    """Unread, but not dead: batch norm's running statistics, a write in place, a random draw, a flag."""
+
+    class Effects(SDPAttention):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running_mean", torch.zeros(SEQ))
+            self.register_buffer("running_var", torch.ones(SEQ))
+            self.register_buffer("steps", torch.zeros(()))
+
+        def attend(self, q, k, v):
+            F.batch_norm(q[0, 0], self.running_mean, self.running_var, training=True)
+            self.steps.add_(1)
+            torch.rand_like(q)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Effects()
+    gm, report = _report(fake_group, model, _features())
+    assert _changes(report, "drop_dead_values") == ""
+    assert model.running_mean.abs().sum() > 0 and model.steps.item() == 1
+
+
 def test_propagate_sharding(fake_group):
     from ulysses_compile.core.sharding import describe, sharding_of
 

@@ -15,18 +15,24 @@ Before::
 
 After: the mask and everything only it read are gone; ``position_ids`` stays (RoPE reads it).
 
-Kept though unread: graph inputs, writes in place (``x.add_(y)``, ``x[i] = y``), random draws (they
-advance the generator, as eager's do), values that are not tensors, and what torch marks impure.
+Only ops known to compute a fresh value and nothing else are dropped: elementwise ops (the op table's),
+views, shape ops, comparisons and the tensor factories that build masks and positions. Anything else
+unread stays (a write in place, a random draw, ``F.batch_norm`` updating its running statistics,
+``torch.func.grad`` marking an input as requiring grad, a higher-order op).
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_drop_dead_values``.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.fx as fx
 
 from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.core.ops import elementwise, spellings
 from ulysses_compile.core.random_draws import random_draw
 
 
@@ -42,6 +48,15 @@ def drop_dead_values(gm: fx.GraphModule, ctx) -> list[str]:
 
 
 def _pure_tensor_value(node: fx.Node) -> bool:
-    value = node.meta.get("example_value")
-    return (node.op in ("call_function", "call_method") and isinstance(value, torch.Tensor)
-            and mutated_arg(node) is None and random_draw(node) is None and not node.is_impure())
+    return (node.op in ("call_function", "call_method") and isinstance(node.meta.get("example_value"), torch.Tensor)
+            and node.target in _pure_targets() and mutated_arg(node) is None and random_draw(node) is None
+            and not (isinstance(node.target, str) and node.target.endswith("_")))  # (x.requires_grad_())
+
+
+@functools.cache
+def _pure_targets() -> frozenset:
+    shapes = spellings("view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
+                       "flatten", "unflatten", "narrow", "select", "diff", "cumsum", "arange", "full", "full_like",
+                       "zeros", "zeros_like", "ones", "ones_like", "new_ones", "new_zeros", "new_full", "tril",
+                       "triu", "cat", "stack", "any", "all", "sum")
+    return frozenset((*elementwise(), *shapes, operator.getitem))
