@@ -59,6 +59,41 @@ class BaddbmmAttention(_FusedQKV):
         return self.out(out.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, d))
 
 
+class BloomGelu(torch.autograd.Function):
+    """Bloom's GeLU: an autograd.Function of elementwise ops, forward and backward written out."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        tanh = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - tanh * tanh) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh))
+
+
+class ViewsBetweenTheProducts(_FusedQKV):
+    """Bloom's eager attention: q, k, v in ``[B*H, S, D]``, ALiBi as baddbmm's ``[B*H, 1, S]`` bias, the
+    scores viewed to ``[B, H, S, S]`` for a ``[B, 1, S, S]`` mask and the softmax, and back to
+    ``[B*H, S, S]`` for bmm; XGLM's clamp of the masked scores; Bloom's GeLU after it."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        fused = self.qkv(x).view(b, s, self.heads, 3, self.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2).reshape(b * self.heads, s, self.head_dim) for i in range(3))
+        slopes = 2.0 ** (-torch.arange(1, self.heads + 1, device=x.device) / 2)
+        alibi = (slopes[:, None] * torch.arange(s, device=x.device)[None, :]).repeat(b, 1)[:, None, :]
+        scores = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=1 / math.sqrt(self.head_dim))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.zeros(b, 1, s, s, device=x.device).masked_fill(causal, torch.finfo(x.dtype).min)
+        masked = torch.max(scores.view(b, self.heads, s, -1) + mask, torch.full((), torch.finfo(x.dtype).min))
+        probs = F.softmax(masked, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs.view(b * self.heads, s, -1), v)
+        return BloomGelu.apply(self.out(out.view(b, self.heads, s, self.head_dim).permute(0, 2, 1, 3).reshape(b, s, d)))
+
+
 class FlashAttention(nn.Module):
     """flash-attn's flash_attn_func on [B, S, H, D], optionally with fewer KV heads, ALiBi slopes per head
     and a sliding window."""
@@ -297,6 +332,9 @@ FORMS = {
     "nanogpt_manual": lambda: nanogpt.make(seq_len=SEQ, flash=False),
     "einsum_bshd": _seeded(lambda: (EinsumAttention(), (_features(),), {})),
     "baddbmm_merged_heads": _seeded(lambda: (BaddbmmAttention(), (_features(),), {})),
+    "views_between_the_products": _seeded(lambda: (ViewsBetweenTheProducts(), (_features(),), {})),
+    "views_between_the_products_6_heads": _seeded(lambda: (ViewsBetweenTheProducts(dim=48, heads=6),
+                                                           (torch.randn(2, SEQ, 48),), {})),
     "llama_eager_gqa_gathered": lambda: _hf(_eager_llama(heads=8, kv_heads=2, layers=1)),
     "llama_6_heads": lambda: _hf(tiny_llama(heads=6, kv_heads=6, layers=1)),
     "llama_6_heads_gqa_3": lambda: _hf(tiny_llama(heads=6, kv_heads=3, layers=1)),

@@ -22,6 +22,8 @@ EXPECTED = {
     "nanogpt_manual": (["matmul_softmax"] * 2, "one"),
     "einsum_bshd": (["einsum_softmax"], "one"),
     "baddbmm_merged_heads": (["baddbmm_softmax_bmm"], "one"),
+    "views_between_the_products": (["baddbmm_softmax_bmm"], "one"),
+    "views_between_the_products_6_heads": (["baddbmm_softmax_bmm"], "one"),
     "llama_eager_gqa_gathered": (["matmul_softmax"], "gathered"),
     "llama_6_heads": ([SDPA], "one"),
     "llama_6_heads_gqa_3": ([SDPA], "gathered"),
@@ -237,3 +239,20 @@ def test_a_split_that_meets_a_size_read_from_data_runs_the_graph_whole(fake_grou
     assert report.replicated.startswith("a size read from data") and not report.attention_sites, str(report)
     assert len(report.rejected_attention) == 1 and "Could not guard on u0" in report.rejected_attention[0]
     assert report.collectives == [] and not calls(gm, seq_to_heads_qkv), str(report)
+
+
+def test_merged_heads_with_shared_key_value_heads_are_rejected_with_the_reason(fake_group):
+    """Bloom's layout with one key/value head repeated for the query heads (``repeat_interleave`` on the
+    merged dim): not built for merged heads, so the site runs whole, reported."""
+
+    class SharedKeyValue(torch.nn.Module):
+        def forward(self, q, kv):
+            b, heads, s = 2, 4, q.shape[1]
+            k = v = kv.repeat_interleave(heads, dim=0)
+            scores = torch.bmm(q, k.transpose(1, 2)).view(b, heads, s, s)
+            return torch.bmm(scores.softmax(-1).view(b * heads, s, s), v)
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(SharedKeyValue(), (torch.randn(8, 16, 8), torch.randn(2, 16, 8)))
+    (rejected,) = gm.meta["ulysses_report"].rejected_attention
+    assert "heads merged with the batch" in rejected and "fewer key/value heads" in rejected, rejected

@@ -97,6 +97,12 @@ def test_a_handwritten_attention_output_leaves_the_heads_for_the_sequence():
     assert decision.output == Shard(2) and decision.inputs == {x: Shard(1)}
 
 
+def test_a_handwritten_attention_output_with_heads_merged_in_the_batch_leaves_each_batchs_heads():
+    node, (x,) = build(attention_output, empty(B * 4, S, H), 0, 1, B)
+    decision = decide(node, {x: MergedShard(0, B, 1)})
+    assert decision.output == Shard(1) and decision.inputs == {x: MergedShard(0, B, 1)}
+
+
 def test_flash_attention_shards_qkv_on_dim_1_and_demands_alibi_slopes_whole():
     graph = fx.Graph()
     q, k, v, slopes = (graph.placeholder(name) for name in ("q", "k", "v", "slopes"))
@@ -186,6 +192,13 @@ def test_einsum_summing_over_the_sequence_letter_is_partial():
 def test_einsum_is_refused_unless_one_letter_is_sharded_alike_everywhere(equation, y_shape, y_placement):
     node, (x, y) = build(torch.einsum, equation, empty(B, S, H), empty(*y_shape))
     assert decide(node, {x: Shard(1), y: y_placement}) is None
+
+
+def test_index_select_of_a_whole_table_follows_its_ids_and_is_refused_for_a_sharded_table():
+    node, (table, ids) = build(torch.index_select, empty(32, H), 0, torch.zeros(B * S, dtype=torch.long))
+    decision = decide(node, {ids: MergedShard(0, B, 1)})
+    assert decision.output == MergedShard(0, B, 1) and decision.inputs == {ids: MergedShard(0, B, 1), table: REPLICATE}
+    assert decide(node, {ids: Shard(0), table: Shard(0)}) is None
 
 
 def test_embedding_is_sharded_like_its_ids_and_refused_with_max_norm():

@@ -409,3 +409,37 @@ def test_attention_with_sinks_is_parallel_from_the_embedding_on(fake_group):
     assert [node.args[0].target for node in calls(gm, scatter_seq)][1:] == ["expand"]
     assert len(calls(gm, seq_to_heads_qkv)) == 1 and calls(gm, seq_to_heads) == []
     assert len(calls(gm, heads_to_seq)) == 1 and report.fallbacks == []
+
+
+class _ScaledByFirstRow(torch.autograd.Function):
+    """Not elementwise: every position is scaled by row 0 of a table that spans the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, table):
+        ctx.save_for_backward(table)
+        return x * table[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (table,) = ctx.saved_tensors
+        return grad * table[0], None
+
+
+def test_an_autograd_function_that_indexes_a_tensor_is_not_taken_as_elementwise(fake_group):
+    """Bloom's GeLU (forward and backward elementwise) runs on the rank's block (the forms' test); a
+    Function that reads ``table[0]`` would read the rank's own first row there: it takes its inputs whole."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.table = nn.Linear(16, 48), nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 16)
+            return _ScaledByFirstRow.apply(out, self.table)
+
+    fake_group(2)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(Model(), (torch.randn(2, 8, 16),))
+    assert [fallback.op for fallback in gm.meta["ulysses_report"].fallbacks] == ["autograd_function_apply"]

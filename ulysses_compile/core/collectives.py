@@ -284,24 +284,44 @@ def _reshard_even(xs: list, from_dim: int, to_dim: int, world_size: int, group_n
     return results
 
 
-def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_size: int, group_name: str):
+def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_size: int, group_name: str,
+                 heads_outer: int = 1):
     """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence (of global length
-    ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all."""
-    return _reshard([x], seq_dim, head_dim, [seq_len], rank, world_size, group_name)[0]
+    ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all.
+    ``heads_outer`` > 1: the head dim holds ``[heads_outer, H]`` merged (Bloom's ``[B*H, S, D]``), and
+    each of the ``heads_outer`` groups splits its heads over the ranks."""
+    return _reshard_heads([x], seq_dim, head_dim, [seq_len], rank, world_size, group_name, heads_outer)[0]
 
 
 def seq_to_heads_qkv(query, key, value, seq_dim: int, head_dim: int, seq_len: int, kv_seq_len: int, rank: int,
-                     world_size: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     world_size: int, group_name: str, heads_outer: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`seq_to_heads` of an attention's query, key and value (of lengths ``seq_len``,
     ``kv_seq_len``) in one all-to-all: one buffer, one meeting of the ranks instead of three, the same
     bytes. Its backward is one all-to-all as well."""
-    return tuple(_reshard([query, key, value], seq_dim, head_dim, [seq_len, kv_seq_len, kv_seq_len], rank,
-                          world_size, group_name))
+    return tuple(_reshard_heads([query, key, value], seq_dim, head_dim, [seq_len, kv_seq_len, kv_seq_len], rank,
+                                world_size, group_name, heads_outer))
 
 
-def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str):
+def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str,
+                 heads_outer: int = 1):
     """The inverse of :func:`seq_to_heads`: the same all-to-all with the two dims' roles swapped."""
-    return _reshard([x], head_dim, seq_dim, [heads], rank, world_size, group_name)[0]
+    if heads_outer == 1:
+        return _reshard([x], head_dim, seq_dim, [heads], rank, world_size, group_name)[0]
+    apart = x.unflatten(head_dim, (heads_outer, -1))
+    seq_dim += seq_dim > head_dim
+    return _reshard([apart], head_dim + 1, seq_dim, [heads], rank, world_size, group_name)[0].flatten(
+        head_dim, head_dim + 1)
+
+
+def _reshard_heads(xs: list, seq_dim: int, head_dim: int, seq_lengths: list, rank: int, world_size: int,
+                   group_name: str, heads_outer: int) -> list[torch.Tensor]:
+    """Sequence blocks to head blocks, the heads split within each of ``heads_outer`` groups."""
+    if heads_outer == 1:
+        return _reshard(xs, seq_dim, head_dim, seq_lengths, rank, world_size, group_name)
+    apart = [x.unflatten(head_dim, (heads_outer, -1)) for x in xs]
+    seq_dim += seq_dim > head_dim
+    return [x.flatten(head_dim, head_dim + 1)
+            for x in _reshard(apart, seq_dim, head_dim + 1, seq_lengths, rank, world_size, group_name)]
 
 
 def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tuple[int, ...], rank: int,

@@ -13,7 +13,7 @@ from ulysses_compile.core.collectives import block_positions
 from ulysses_compile.core.compat import autograd_inside_an_op, log_softmax_backward
 
 
-def attention_output(x, head_axis: int, seq_axis: int):
+def attention_output(x, head_axis: int, seq_axis: int, heads_outer: int = 1):
     """Marks where a hand-written attention's result leaves the head-parallel region (identity)."""
     return x
 

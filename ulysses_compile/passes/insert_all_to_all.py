@@ -25,7 +25,8 @@ on each rank, so heads on different ranks get independent masks (the kernel draw
 alike on every rank).
 
 Heads split over ranks in balanced blocks (``sharding.block_sizes``): 6 heads on 4 ranks go 2, 2, 1, 1,
-by one all-to-all with split sizes. Key/value heads travel by all-to-all when they split like the query
+by one all-to-all with split sizes. Heads merged with the batch in one dim (``[B*H, S, D]`` that the
+model views as ``[B, H, S, S]`` between the products) split within each batch (``heads_outer=B``). Key/value heads travel by all-to-all when they split like the query
 heads, in the query's all-to-all when the three share a dtype and all exist before the first of them is
 used (hand-written attention may compute v after the scores: then one all-to-all each); otherwise (MQA,
 fewer KV heads than ranks, uneven GQA) each rank gathers the whole sequence of the KV heads its query
@@ -56,21 +57,22 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             query = slot.read()
             slot.write(_mark(insert_call(
                 graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
-                                      ctx.group_name), before=slot.consumer), Shard(site.head_axis), query))
+                                      ctx.group_name, *_merged(site)), before=slot.consumer), site.heads_placement(),
+                query))
             for role in ("key", "value"):
                 slot = site.slots[role]
                 slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
         site.form.on_rank_heads(site, ctx)
         output = site.form.output(site)
         back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
-                                                 ctx.world_size, ctx.group_name), after=output),
+                                                 ctx.world_size, ctx.group_name, *_merged(site)), after=output),
                      Shard(site.seq_axis), output)
         output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         if site.output_marker is not None:
             site.output_marker.replace_all_uses_with(back)
             graph.erase_node(site.output_marker)
         else:
-            _mark(output, Shard(site.head_axis), output)
+            _mark(output, site.heads_placement(), output)
         for repeated, source in replaced:
             _erase_unused_chain(graph, repeated, source)
 
@@ -87,20 +89,25 @@ def _fused_qkv(graph, site, ctx, replaced) -> bool:
         return False
     query, key, value = (node for node, _ in sent.values())
     fused = insert_call(graph, seq_to_heads_qkv, (query, key, value, site.seq_axis, site.head_axis, site.seq_len,
-                                                  site.kv_seq_len, ctx.rank, ctx.world_size, ctx.group_name),
-                        before=first)
-    place(fused, NodeSharding((Shard(site.head_axis),) * 3,
+                                                  site.kv_seq_len, ctx.rank, ctx.world_size, ctx.group_name,
+                                                  *_merged(site)), before=first)
+    place(fused, NodeSharding((site.heads_placement(),) * 3,
                               tuple(sharding_of(node).global_value for node, _ in sent.values())))
     for index, (role, (node, repeated)) in enumerate(sent.items()):
         with graph.inserting_before(first):
-            local = _mark(graph.call_function(operator.getitem, (fused, index)), Shard(site.head_axis), node)
+            local = _mark(graph.call_function(operator.getitem, (fused, index)), site.heads_placement(), node)
         if repeated:
             kv = site.slots[role].read()
             replaced.append((kv, node))
             local = _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=first),
-                          Shard(site.head_axis), kv)
+                          site.heads_placement(), kv)
         site.slots[role].write(local)
     return True
+
+
+def _merged(site) -> tuple:
+    """The all-to-alls' ``heads_outer`` argument where heads are merged with a batch (else left out)."""
+    return (site.heads_outer,) if site.heads_outer > 1 else ()
 
 
 def _sent(site, role: str) -> tuple[fx.Node, bool]:
@@ -131,12 +138,12 @@ def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node
                                                      ctx.rank, ctx.world_size, ctx.group_name), before=before)
         return place(local, NodeSharding(None, None))  # KV heads picked per query head: no placement
     local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
-                                                    ctx.world_size, ctx.group_name), before=before),
-                  Shard(site.head_axis), sent)
+                                                    ctx.world_size, ctx.group_name, *_merged(site)), before=before),
+                  site.heads_placement(), sent)
     if not repeated:
         return local
     return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=before),
-                 Shard(site.head_axis), kv)
+                 site.heads_placement(), kv)
 
 
 def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:

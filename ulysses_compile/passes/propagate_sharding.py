@@ -48,6 +48,7 @@ from ulysses_compile.core.sharding import (
     place,
     sharding_of,
     sort_orders,
+    with_dim,
 )
 from ulysses_compile.core.sizes import same_size
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
@@ -179,14 +180,15 @@ def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed)
                 placed.stranded.setdefault(sort, node)
 
 
-def _head_parallel_nodes(sites) -> dict[fx.Node, tuple[Shard, dict]]:
+def _head_parallel_nodes(sites) -> dict[fx.Node, tuple]:
     """Hand-written attention: k^T, q @ k^T and probs @ v run on this rank's heads (the ops between
     follow). q, k and v enter them sequence-sharded; insert_all_to_all turns them to heads there."""
     nodes = {}
     for site in sites:
         entering = {site.entering(role): Shard(site.seq_axis) for role in ("query", "key", "value")}
         for node, (head_axis, operands) in site.region.items():
-            nodes[node] = (Shard(head_axis), {**{arg: Shard(dim) for arg, dim in operands.items()}, **entering})
+            nodes[node] = (site.heads_placement(head_axis),
+                           {**{arg: site.heads_placement(dim) for arg, dim in operands.items()}, **entering})
     return nodes
 
 
@@ -197,7 +199,7 @@ def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
     offset = arg_value.dim() - value.dim()
     dim = by_heads.dim + offset
     if 0 <= dim < arg_value.dim() and arg_value.shape[dim] == value.shape[by_heads.dim]:
-        return Shard(dim)
+        return with_dim(by_heads, dim)
     return REPLICATE
 
 

@@ -1,6 +1,8 @@
 """Attention written by hand: ``softmax(q @ k^T * scale [+ mask]) [dropout] @ v``, the products written
 with ``matmul``/``@``, ``bmm``, ``baddbmm`` (bias and scale inside) or ``einsum`` in any layout, through
-scales, masks, casts, dropout and joined sink columns. The form reads the softmax; the site's nodes from
+scales, masks, casts, dropout, joined sink columns and views that regroup heads merged with the batch
+(Bloom's ``[B*H, S, S]`` viewed as ``[B, H, S, S]`` for the mask and back: each batch's heads then
+split over the ranks, ``AttentionSite.heads_outer``). The form reads the softmax; the site's nodes from
 ``q @ k^T`` to ``@ v`` run on the rank's heads (its ``region``, placed by propagation), and its result
 passes through ``attention_output``, an identity marking where the heads end, which becomes the
 all-to-all back to the sequence. Masks and biases it meets are kept whole."""
@@ -16,7 +18,7 @@ import torch.fx as fx
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import attention_output
-from ulysses_compile.core.sharding import Shard
+from ulysses_compile.core.sharding import Shard, seq_shard
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, AttentionSite, Slot, read_site, value_of
 from ulysses_compile.passes.rules import Decision, register
 
@@ -27,6 +29,23 @@ VALUES = MATMUL + spellings("einsum")
 # Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, logit soft-capping (Gemma 2's
 # cap * tanh(scores / cap)), casts, dropout.
 BETWEEN = (*spellings("mul", "div", "add", "sub", "masked_fill", "tanh", "contiguous", "dropout"), *CASTS)
+VIEWS = spellings("view", "reshape")
+EXTREMA = spellings("max", "min")  # torch.max(scores, floor) is elementwise with a tensor second operand
+
+
+def _between(node) -> bool:
+    """An op that may stand between the products (``BETWEEN``, or an elementwise max/min: XGLM clamps
+    the masked scores with ``torch.max(scores, finfo.min)``)."""
+    return _is(node, BETWEEN) or _is(node, EXTREMA) and len(node.args) == 2 and isinstance(node.args[1], fx.Node)
+
+
+def _regroups_heads(node) -> bool:
+    """A view between the products that only regroups the dims before the (query, key) dims: Bloom's
+    ``[B*H, S, S]`` to ``[B, H, S, S]`` for the mask and the softmax, and back for ``bmm``."""
+    if not _is(node, VIEWS) or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = value_of(node.args[0]), value_of(node)
+    return before.dim() >= 3 and after.dim() >= 3 and before.shape[-2:] == after.shape[-2:]
 
 
 def _is(node, targets) -> bool:
@@ -37,29 +56,32 @@ def _mark_output(site: AttentionSite) -> fx.Node:
     """The site's result passed through ``attention_output``, which marks where its heads end."""
     node = site.node
     with node.graph.inserting_after(node):
-        marker = node.graph.call_function(attention_output, (node, site.head_axis, site.seq_axis))
+        merged = (site.heads_outer,) if site.heads_outer > 1 else ()
+        marker = node.graph.call_function(attention_output, (node, site.head_axis, site.seq_axis, *merged))
     marker.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "stack_trace", "nn_module_stack")})
     node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
     return marker
 
 
-def _scores_matmul(node, side_inputs: list, depth: int = 0):
-    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales, masks and
-    joined sink columns; the other tensors met on the way (masks, biases, sinks) are appended to
-    ``side_inputs``."""
+def _scores_matmul(node, side_inputs: list, views: list, depth: int = 0):
+    """The q @ k^T node that ``node`` (a softmax input) is computed from, through scales, masks,
+    joined sink columns and views regrouping the heads; the other tensors met on the way (masks, biases,
+    sinks) are appended to ``side_inputs``, the views to ``views``."""
     if _is(node, SCORES):
         return node
     joins = _joins_key_columns(node)
-    if depth > 6 or not (joins or _is(node, BETWEEN)):
+    if depth > 6 or not (joins or _between(node) or _regroups_heads(node)):
         return None
     found = None
-    for arg in _tensors_joined(node) if joins else node.args:
+    for arg in _tensors_joined(node) if joins else node.args[:1] if _regroups_heads(node) else node.args:
         if found is None and isinstance(arg, fx.Node):
-            found = _scores_matmul(arg, side_inputs, depth + 1)
+            found = _scores_matmul(arg, side_inputs, views, depth + 1)
             if found is not None:
                 continue
         if isinstance(arg, fx.Node):
             side_inputs.append(arg)
+    if found is not None and _regroups_heads(node):
+        views.append(node)
     return found
 
 
@@ -88,16 +110,37 @@ def _drops_key_columns(node) -> bool:
     return whole and Ellipsis in leading and isinstance(last, slice) and last.start is None and last.step is None
 
 
-def _values_matmul(node, depth: int = 0):
-    """The probs @ v node that consumes a softmax result (through casts and dropout), and the probs."""
+def _values_matmul(node, views: list, depth: int = 0):
+    """The probs @ v node that consumes a softmax result (through casts, dropout and views regrouping
+    the heads, appended to ``views``)."""
     for user in node.users:
         if _is(user, VALUES) and _probs_operand(user) is node:
             return user
-        if depth < 4 and (_is(user, BETWEEN) or _drops_key_columns(user)) and user.args[0] is node:
-            found = _values_matmul(user, depth + 1)
+        if depth < 5 and (_between(user) or _drops_key_columns(user) or _regroups_heads(user)) \
+                and user.args[0] is node:
+            found = _values_matmul(user, views, depth + 1)
             if found is not None:
+                views.extend([user] if _regroups_heads(user) else [])
                 return found
     return None
+
+
+def _heads_outer(views: list, q_heads: int, head_axis: int, ndim: int) -> "int | str":
+    """The batch merged before the heads in q's head dim, read off the views between the products
+    (``[B*H, S, S]`` <-> ``[B, H, S, S]``): 1 without such views, a reason where they regroup otherwise."""
+    if not views:
+        return 1
+    heads = set()
+    for view in views:
+        merged, apart = sorted((value_of(view.args[0]), value_of(view)), key=lambda value: value.dim())
+        if merged.dim() != ndim or head_axis != ndim - 3 or merged.dim() + 1 != apart.dim() \
+                or merged.shape[-3] != q_heads or apart.shape[-4] * apart.shape[-3] != q_heads:
+            return (f"a view between the products regroups {list(merged.shape)} as {list(apart.shape)}, not the "
+                    f"heads merged in q's dim {head_axis} ({q_heads}) as a batch and heads")
+        heads.add(apart.shape[-3])
+    if len(heads) != 1:
+        return f"the views between the products split the merged heads as {sorted(heads)} heads"
+    return q_heads // heads.pop()
 
 
 def _unread_attention(softmax: fx.Node) -> str | None:
@@ -232,7 +275,8 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
     out = value_of(softmax)
     dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
     side_inputs: list[fx.Node] = []
-    scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs), _values_matmul(softmax)
+    views: list[fx.Node] = []
+    scores_node, values_node = _scores_matmul(softmax.args[0], side_inputs, views), _values_matmul(softmax, views)
     # A max subtracted for stability is computed from the scores: not a mask or bias entering the site.
     side_inputs = [arg for arg in side_inputs if scores_node is None or not _computed_from(arg, scores_node)]
     if scores_node is not None and values_node is None:
@@ -256,6 +300,9 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
     q, k, v = value_of(query), value_of(key), value_of(value)
     if not (q.dim() == k.dim() == v.dim() and q.shape[head_axis] == k.shape[head_axis] == v.shape[head_axis]):
         return "q, k and v have different numbers of heads"
+    heads_outer = _heads_outer(views, q.shape[head_axis], head_axis, q.dim())
+    if isinstance(heads_outer, str):
+        return heads_outer
     probs = values.first
     if scores.form == "baddbmm":
         side_inputs.append(scores_node.args[0] if scores_node.args else scores_node.kwargs["input"])
@@ -265,7 +312,13 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
     spelling = f"{scores.form}_softmax" + ("" if values.form == scores.form else f"_{values.form}")
     site = read_site(values_node, HANDWRITTEN, spelling, module_path(softmax), slots, head_axis=head_axis,
                      seq_axis=seq_axis, is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs),
-                     region=region)
+                     region=region, heads_outer=heads_outer)
+    if heads_outer > 1:
+        if site.kv_heads != site.heads or site.kv_repeat > 1:
+            return ("heads merged with the batch (the views between the products) with fewer key/value heads "
+                    "than query heads: their KV heads would be gathered per query head, which is not built for "
+                    "merged heads")
+        site = replace(site, heads=site.heads // heads_outer, kv_heads=site.kv_heads // heads_outer)
     return replace(site, output_marker=_mark_output(site))
 
 
@@ -283,8 +336,8 @@ class HandwrittenAttention(AttentionForm):
 def attention_output_rule(node, view):
     """A hand-written attention's result leaves its heads for the sequence: insert_all_to_all makes
     this marker the all-to-all."""
-    x, head_axis, seq_axis = node.args
-    return Decision(Shard(seq_axis), {x: Shard(head_axis)})
+    x, head_axis, seq_axis, *merged = node.args
+    return Decision(Shard(seq_axis), {x: seq_shard(head_axis, outer=merged[0] if merged else 1)})
 
 
 HANDWRITTEN = HandwrittenAttention()

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.errors import UnsupportedError
-from ulysses_compile.core.sharding import sharding_of
+from ulysses_compile.core.sharding import seq_shard, sharding_of
 from ulysses_compile.core.sizes import is_symbolic, same_size
 
 if TYPE_CHECKING:
@@ -66,8 +66,15 @@ class AttentionSite:
     # Hand-written attention's nodes that run on this rank's heads: node -> (its head dim, the head dim
     # of inputs whose layout differs from its own).
     region: dict = field(default_factory=dict)
+    # Heads merged after a batch of this size in one dim, as ``[B*H, S, D]`` that the model views as
+    # ``[B, H, S, S]`` between the products (Bloom): each batch's heads split over the ranks.
+    heads_outer: int = 1
 
     decision: str = ""  # what the rewrite does at this world size
+
+    def heads_placement(self, axis: int | None = None):
+        """This rank's heads along ``axis`` (default: q's head dim), within each batch when merged."""
+        return seq_shard(self.head_axis if axis is None else axis, outer=self.heads_outer)
 
     def entering(self, role: str) -> fx.Node:
         """The value that enters the site as ``role`` ("query", "key", "value", "attn_mask", ...)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ulysses_compile.core.fx_graph import method_or_function_args
+from ulysses_compile.core.fx_graph import method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import PARTIAL, REPLICATE, seq_shard, with_dim
 from ulysses_compile.passes.rules import Decision, register
@@ -97,6 +97,18 @@ def embedding_rule(node, view):
     if view.sharded(ids) is None or args.get("max_norm") is not None or args.get("scale_grad_by_freq"):
         return None  # both look at the whole batch's ids (max_norm even rewrites the weight in place)
     return Decision(view.placement(ids), {ids: view.placement(ids), args["weight"]: REPLICATE})
+
+
+@register(*spellings("index_select"))
+def index_select_rule(node, view):
+    """``table.index_select(dim, ids)``, a lookup as ``F.embedding`` is (XGLM's sinusoidal positions):
+    the rows follow the sharded ids, the whole table on every rank."""
+    args = method_or_function_args(node, ("input", "dim", "index"))
+    table, ids = args["input"], args["index"]
+    if view.sharded(ids) is None or view.sharded(table) is not None or view.value(ids).dim() != 1:
+        return None
+    return Decision(with_dim(view.placement(ids), normalize_dim(args["dim"], view.value(table).dim())),
+                    {ids: view.placement(ids), table: REPLICATE})
 
 
 @register(*spellings("einsum"))

@@ -9,6 +9,9 @@ as it is.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -27,6 +30,11 @@ def pointwise(node, view):
     written = mutated_arg(node)
     # Dynamo records no value for an in-place op whose result is unused (``x.requires_grad_()``)
     out = view.value(node) if written is None or view.value(node) is not None else view.value(written)
+    return _elementwise(node, view, out, written)
+
+
+def _elementwise(node, view, out, written) -> Decision | None:
+    """The decision for an op whose output ``out`` is elementwise in its tensor inputs."""
     if not isinstance(out, torch.Tensor):
         return None
     inputs = view.tensor_args(node)
@@ -55,6 +63,39 @@ def pointwise(node, view):
     if written is not None and demands.get(written) != view.placement(written):
         return None  # an in-place op must update the tensor it was given, not a converted copy of it
     return Decision(seq_shard(out_dim, outer, inner), demands)
+
+
+@register(torch.ops.higher_order.autograd_function_apply)
+def elementwise_function(node, view):
+    """A ``torch.autograd.Function`` whose forward and backward compute only elementwise ops (Bloom's
+    GeLU, a hand-written activation): each rank's block by the pointwise rule; else no rule."""
+    owner = node.graph.owning_module
+    bodies = [getattr(owner, arg.target, None) for arg in node.args[:2]]
+    if node.kwargs.get("dirty_idx") or not all(
+            isinstance(body, fx.GraphModule) and all(_elementwise_step(step) for step in body.graph.nodes)
+            for body in bodies):
+        return None  # (ctx.mark_dirty: the forward writes into an input)
+    out = view.value(node)
+    if isinstance(out, (tuple, list)) and len(out) == 1:  # Dynamo's call returns the forward's tuple
+        decision = _elementwise(node, view, out[0], None)
+        return decision and Decision((decision.output,), decision.inputs)
+    return _elementwise(node, view, out, None)
+
+
+def _elementwise_step(node: fx.Node) -> bool:
+    """An op that computes each element from the elements at its index and writes nothing; Dynamo's bodies
+    also switch grad mode around the user's code and take items of tuples (never of tensors: an index)."""
+    if node.op in ("placeholder", "output", "get_attr") or node.target is torch._C._set_grad_enabled:
+        return True
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get("example_value"), (tuple, list))
+    return node.op in ("call_function", "call_method") and node.target in _elementwise_targets() \
+        and mutated_arg(node) is None
+
+
+@functools.cache
+def _elementwise_targets() -> frozenset:
+    return frozenset(elementwise())
 
 
 @register(*CAST_LIKE)
