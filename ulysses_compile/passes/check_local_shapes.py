@@ -9,6 +9,8 @@ It changes no code (``tests/test_pass_goldens.py::test_check_local_shapes_change
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 
@@ -22,10 +24,13 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
     gm.graph.lint()
     gm.recompile()
     # The placeholders' example values are Dynamo's fake inputs, with symbolic sizes where the graph
-    # is dynamic; faking the real example inputs again would fix those sizes to this call's.
+    # is dynamic; faking the real example inputs again would fix those sizes to this call's. Their mode
+    # is also found inside tensor subclasses (a graph whose inputs are all lazy blocks from the last one).
     fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
-    mode = next((x.fake_mode for x in fake_inputs if isinstance(x, FakeTensor)), None) or FakeTensorMode()
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    mode = _fake_mode_of(fake_inputs) or FakeTensorMode()
+    # A check adds no guards to Dynamo's shape environment (a symbol of a lazy block has no source to guard).
+    with mode.shape_env.suppress_guards() if mode.shape_env is not None else contextlib.nullcontext():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
         sharding = sharding_of(node)
         local = node.meta.get("val")
@@ -45,6 +50,17 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
                 f"{describe(sharding.output)} of global shape {tuple(sharding.global_value.shape)} "
                 f"implies {expected}"
             )
+
+
+def _fake_mode_of(values) -> FakeTensorMode | None:
+    for value in values:
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+        if hasattr(value, "__tensor_flatten__"):  # a subclass (GatheredOnUse): its inner tensors are fake
+            found = _fake_mode_of([getattr(value, name) for name in value.__tensor_flatten__()[0]])
+            if found is not None:
+                return found
+    return None
 
 
 def _equal(size, expected) -> bool:
