@@ -652,6 +652,15 @@ def test_setitem_with_the_sequence_left_whole_writes_each_ranks_block():
     assert decide(node, {x: Shard(1)}) is None
 
 
+def test_setitem_with_a_boolean_mask_is_a_masked_fill_of_each_ranks_block():
+    """``ids[ids == image_token] = 0`` (Gemma 3): a mask computed whole is sliced to the block it writes."""
+    node, (x, mask) = build(operator.setitem, torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.bool), 0)
+    for mask_placement in (Shard(1), REPLICATE):
+        decision = decide(node, {x: Shard(1), mask: mask_placement})
+        assert decision.output == Shard(1) and decision.inputs == {x: Shard(1), mask: Shard(1)}
+    assert decide(node, {x: Shard(1), mask: Shard(0)}) is None
+
+
 @pytest.mark.parametrize("name", ["normalize_expand_as", "scale_expand_as", "count_nonzero_over_tokens"])
 def test_a_model_around_these_rules_gathers_nothing(fake_group, name):
     """The op probes of the rules added last, as a model holds them: nothing gathered (their exactness

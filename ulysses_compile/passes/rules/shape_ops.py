@@ -332,7 +332,7 @@ def setitem_rule(node, view):
     """``x[index] = value`` with the index leaving the sequence whole: each rank writes its block."""
     target, index, value = node.args
     if _is_aligned_mask(view, target, index) and not view.is_tensor(value):
-        return Decision(view.placement(target), {target: view.placement(target), index: view.placement(index)})
+        return Decision(view.placement(target), {target: view.placement(target), index: view.placement(target)})
     region = _indexed(view, target, index)
     if region is None or region.localize is not None:
         return None
@@ -347,10 +347,11 @@ def setitem_rule(node, view):
 
 
 def _is_aligned_mask(view, target, index) -> bool:
-    """``x[mask] = c`` with a boolean mask over x's leading dims, sharded as x is: a masked fill."""
+    """``x[mask] = c`` with a boolean mask over x's leading dims, sharded as x is or whole (then sliced to
+    x's block, as Gemma 3 masks its image tokens in the ids): a masked fill."""
     mask = view.value(index)
     return isinstance(index, fx.Node) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool \
-        and view.sharded(target) is not None and view.placement(index) == view.placement(target) \
+        and view.sharded(target) is not None and view.placement(index) in (view.placement(target), REPLICATE) \
         and tuple(mask.shape) == tuple(view.value(target).shape[:mask.dim()])
 
 
