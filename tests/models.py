@@ -94,6 +94,10 @@ def model_zoo() -> dict:
         # Local layers whose window (8) is shorter than the sequence: the mask is built from position ids.
         "gemma3_sliding": (_causal(t.Gemma3TextConfig, t.Gemma3ForCausalLM, head_dim=16, sliding_window=8,
                                    layer_types=["sliding_attention", "full_attention"]), "causal"),
+        # A global layer and a local one (window 8 < S), the mask applied by torch.where between the products.
+        "gpt_neo_local": (_causal(t.GPTNeoConfig, t.GPTNeoForCausalLM, num_key_value_heads=None, intermediate_size=None,
+                                  attention_types=[[["global", "local"], 1]], window_size=8, embed_dropout=0.0,
+                                  attention_dropout=0.0, resid_dropout=0.0), "causal"),
         "gemma2_softcap": (_causal(t.Gemma2Config, t.Gemma2ForCausalLM, head_dim=16, attn_implementation="eager",
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "causal"),
         # Learned per-head sink logits joined to the scores (the router's top-k is gathered: issue 21).
