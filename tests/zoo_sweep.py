@@ -6,7 +6,8 @@ eager: is each attention parallelized, and is the answer exact?
 
 Each architecture runs in its own P processes with a time limit, so a crash or a hang is one row of the
 table, not the end of the sweep. A config is shrunk by setting the fields it has (hidden size, layers,
-heads, experts, low-rank dims, vocabulary) before its ``__post_init__`` derives the rest (layer types).
+heads, experts, low-rank dims, vocabulary) before its ``__post_init__`` derives the rest (layer types); a
+composite config's sub-configs (text, vision, audio towers) are shrunk the same way.
 """
 
 from __future__ import annotations
@@ -41,7 +42,87 @@ SMALL = {
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "index_head_dim": 16,
     "index_n_heads": 4, "layer_group_size": 2, "full_attn_interval": 2, "attn_layer_period": 2,
     "attn_layer_offset": 1, "mamba_expand": 1, "rotary_dim": 8,
+    # The same sizes under the names some models give them.
+    "dff": 128, "dim_ff": 128, "dim_head": 16, "swa_head_dim": 16, "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2, "mamba_head_dim": 16, "mamba_num_heads": 4, "moe_shared_expert_intermediate_size": 32,
+    "unpadded_vocab_size": VOCAB, "hidden_size_global": 64,
+    # Vocabularies and ranks of side inputs and low-rank paths (hashed byte n-grams, glyph shapes, loop gates).
+    "encoder_hash_byte_group_vocab": 64, "shape_vocab_size": 64, "shape_embed_dim": 16,
+    "pronunciation_vocab_size": 64, "pronunciation_embed_dim": 16, "loop_gate_rank": 8,
+    "ffn_hidden_size": 128, "d_inner": 128, "first_dense_intermediate_size": 128,
+    "mlp_only_intermediate_size": 128, "index_num_heads": 2,  # at most the query heads of one key head
+    "num_dense_layers": 1,  # as first_k_dense_replace: one dense layer, then MoE
+    # Vision and audio towers of composite models (never run on a text-only batch, but counted).
+    "mlp_dim": 128, "output_channels": 16, "num_blocks": 2, "depthwise_separable_out_channel": 64,
+    "ext_pw_out_channel": 64, "nemo_conv_channels": 64,
 }
+# Fields set only where the default uses them: zero means the feature is off (Gemma 4's assistant
+# must have no per-layer input embedding), and turning it on would build another model.
+SMALL_IF_ON = {
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "laurel_rank": 8,
+    # Gemma 3n shares the last 15 of 35 layers' keys and values; at 2 layers, the last one.
+    "num_kv_shared_layers": 1, "mamba_d_ssm": 64,
+}
+# Fields a model needs that the generic rules cannot give it, each with why. Keyed by the model type of
+# the config at any depth; a dict given for a sub-config's key is the base that sub-config is shrunk from.
+PER_TYPE = {
+    # Layer lists that do not follow num_hidden_layers: Zamba's starts with 3 fixed layers, Zamba 2's
+    # is a fixed list of 54, GPT-Neo's repeats (global, local) 12 times. One layer of each kind; Zamba
+    # ties its later hybrid layers' shared transformer to the first one's, and refuses a tie with none.
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # No default layer_types (the checkpoints give one): a short-convolution layer and an attention one.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # ReformerModelWithLMHead asserts is_decoder (the BERT-like causal LMs only warn, and are left as they
+    # were). Its axial position embedding factors the training sequence exactly (4 x 6 = SEQ) and splits
+    # hidden_size (32 + 32); its chunks divide SEQ; one local and one LSH layer; a fixed hash seed, else
+    # the LSH buckets come from a fresh random rotation on every call.
+    "reformer": {"is_decoder": True, "axial_pos_shape": [4, 6], "axial_pos_embds_dim": [32, 32],
+                 "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "attn_layers": ["local", "lsh"],
+                 "hash_seed": 0, "attention_head_size": 16, "feed_forward_size": 128},
+    # Its default layout puts the first indexed-attention layer 5th and makes layers 0 and 1 dense: at
+    # 2 layers, a sliding layer then an indexed one (its own indexer), dense then MoE.
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1],
+                   "kv_source_layers": [0, 1], "mlp_only_layers": [0]},
+    # Its shared expert's size (8192). Not in SMALL: GraniteMoE's shared_intermediate_size of 0 means none.
+    "ergo": {"shared_intermediate_size": 32},
+    # Its config validation allows top-1 routing only.
+    "zaya": {"num_experts_per_tok": 1},
+    # The attention reads attn_config.rope_theta, which DbrxAttentionConfig lacks unless the checkpoint
+    # gives it, and clamps q, k, v with clip_qkv, which fails at its default None: dbrx-instruct's values.
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # The rotary embedding reads rope_parameters per layer type, which the default lacks: one entry for
+    # full attention, its M-RoPE sections summing to head_dim / 2 = 8 (the checkpoint's are 24, 20, 20 of 64).
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [4, 2, 2]}}},
+    # The full-attention layers' head size is a constructor argument, not a field: 512 by default.
+    "gemma4_text": {"global_head_dim": 32},
+    "gemma4_unified_text": {"global_head_dim": 32},
+    # The linear (KDA) attention's head size: 128 by default. Not in SMALL, where Bailing's linear_head_dim
+    # would be set too, and Bailing derives its own from head_dim.
+    "kimi_linear": {"linear_head_dim": 16},
+}
+# Causal LMs that no tiny config makes run on this harness's batch (input_ids, labels=input_ids), and why.
+NOT_BUILT = {
+    "gemma4_assistant": "a speculative-decoding draft model: its forward needs the target model's inputs_embeds "
+                        "and shared_kv_states (and its default text_config fails its own validation)",
+    "gemma4_unified_assistant": "a speculative-decoding draft model: its forward needs the target model's "
+                                "inputs_embeds and shared_kv_states",
+    "git": "its loss always drops the first (image_size / patch_size)^2 + 1 logits as image tokens: without "
+           "pixel_values, none are left to score",
+    "musicgen": "its input_ids are (batch x codebooks, seq) and its labels (batch, seq, codebooks): labels=input_ids "
+                "does not fit",
+    "musicgen_melody": "its input_ids are (batch x codebooks, seq) and its labels (batch, seq, codebooks): "
+                       "labels=input_ids does not fit",
+}
+# Libraries a model's tower needs to be built at all, where they are not installed.
+NEEDS = {"gemma3n": "timm"}  # Gemma3nVisionConfig is a TimmWrapper (MobileNet v5) tower
+# Mamba-2 mixers tile the expanded inner size with heads: heads x head size = expand x hidden_size. Where
+# the defaults keep that identity, the shrunk config keeps it through its head count.
+MAMBA_TILES = (("num_heads", "head_dim", "expand"), ("mamba_num_heads", "mamba_head_dim", "expand"))
+# The groups of B and C are shared by whole heads: a group count that does not divide the heads becomes 1.
+MAMBA_GROUPS = (("n_groups", "num_heads"), ("n_groups", "mamba_num_heads"))
 # Latent attention: the rotary part is the head_dim the rotary embedding is built for.
 LATENT = {"num_key_value_heads": SMALL["num_attention_heads"], "head_dim": SMALL["qk_rope_head_dim"],
           "qk_head_dim": SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"]}
@@ -71,28 +152,115 @@ def causal_lm_types() -> dict[str, str]:
 
 
 def tiny_model(model_type: str, impl: str):
+    import importlib.util
+
     import torch
     import transformers
 
-    defaults = transformers.AutoConfig.for_model(model_type)
-    small = {**SMALL, **LATENT} if hasattr(defaults, "qk_rope_head_dim") else SMALL
-    overrides = {key: value for key, value in small.items() if hasattr(defaults, key)}
-    overrides.update({token: 0 for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-                      if isinstance(getattr(defaults, token, None), int) and getattr(defaults, token) >= VOCAB})
-    # No randomness: dropout, layer drop and router jitter would draw differently than eager does.
-    overrides.update({key: 0.0 for key, value in defaults.to_dict().items()
-                      if isinstance(value, float) and ("drop" in key or "jitter" in key)})
-    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    if model_type in NOT_BUILT:
+        raise NotImplementedError(NOT_BUILT[model_type])
+    if model_type in NEEDS and importlib.util.find_spec(NEEDS[model_type]) is None:
+        raise ImportError(f"it needs the {NEEDS[model_type]} library, which is not installed")
     model_class = getattr(transformers, causal_lm_types()[model_type])
+    defaults = transformers.AutoConfig.for_model(model_type)
+    config = None
+    # A causal LM built on one part of a composite config (Llama4ForCausalLM on the text_config of
+    # Llama4Config) is built from that part alone, shrunk from the defaults the composite gives it.
+    specs = getattr(type(defaults), "sub_configs_defaults", None) or {}
+    for key, value in vars(defaults).items():
+        if type(value) is getattr(model_class, "config_class", None):
+            config = tiny_config(type(value), value.model_type, getattr(specs.get(key), "init_kwargs", None))
+    config = config or tiny_config(type(defaults), model_type)
     config._attn_implementation = attention_of(model_class, impl)
-    nested = [key for key, value in vars(config).items() if isinstance(value, transformers.PretrainedConfig)]
-    if nested:
-        raise ValueError(f"sub-configs ({', '.join(nested)}) are not shrunk here")
     torch.manual_seed(0)
     model = model_class(config).float().train()
     if sum(p.numel() for p in model.parameters()) > MAX_PARAMETERS:
         raise ValueError(f"the shrunk config still has {sum(p.numel() for p in model.parameters()):,} parameters")
     return model
+
+
+def tiny_config(config_class, model_type: str, base: dict | None = None):
+    """``config_class`` with every field of ``SMALL`` it has, set before its ``__post_init__`` derives the
+    rest. A sub-config (a composite's ``text_config``, its vision or audio tower, DBRX's ``attn_config``)
+    is shrunk the same way, from the defaults its parent would give it, and passed in built."""
+    import transformers
+
+    base = dict(base or {})
+    defaults = config_class(**base)
+    small = {**SMALL, **LATENT} if _settable(defaults, "qk_rope_head_dim") else SMALL
+    overrides = {key: value for key, value in small.items() if _settable(defaults, key)}
+    overrides.update({key: value for key, value in SMALL_IF_ON.items() if _settable(defaults, key)
+                      and _field(defaults, key)})
+    overrides.update({token: 0 for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+                      if isinstance(_field(defaults, token), int) and _field(defaults, token) >= VOCAB})
+    # No randomness: dropout, layer drop and router jitter would draw differently than eager does.
+    overrides.update({key: 0.0 for key, value in defaults.to_dict().items()
+                      if isinstance(value, float) and ("drop" in key or "jitter" in key)})
+    # An alias (XLNet's num_attention_heads for n_head) is set after __post_init__ has derived sizes from
+    # the field it names (d_head = d_model // n_head): set the field itself, where SMALL does not.
+    aliases = getattr(config_class, "attribute_map", {})
+    overrides = {aliases[key] if key in aliases and aliases[key] not in overrides else key: value
+                 for key, value in overrides.items()}
+    _keep_derived(defaults, overrides)
+    fixes = PER_TYPE.get(model_type, {})
+    specs = getattr(config_class, "sub_configs_defaults", None) or {}
+    for key, value in vars(defaults).items():
+        if isinstance(value, transformers.PretrainedConfig):
+            sub_base = {**getattr(specs.get(key), "init_kwargs", {}), **fixes.get(key, {})}
+            overrides[key] = tiny_config(type(value), value.model_type, sub_base)
+    overrides.update({key: value for key, value in fixes.items() if key not in overrides
+                      or not isinstance(overrides[key], transformers.PretrainedConfig)})
+    return config_class(**{**base, **overrides})
+
+
+def _keep_derived(defaults, overrides: dict) -> None:
+    """Sizes one field derives from others, kept consistent after the shrink (see MAMBA_TILES)."""
+    aliases = getattr(defaults, "attribute_map", {})
+
+    def was(key):
+        return _field(defaults, key)
+
+    def now(key):
+        return overrides.get(aliases.get(key, key), was(key))
+
+    for heads, size, expand in MAMBA_TILES:
+        if all(isinstance(was(key), int) for key in (heads, size, expand, "hidden_size")) and \
+                was(heads) * was(size) == was(expand) * was("hidden_size"):
+            overrides[aliases.get(heads, heads)] = now(expand) * now("hidden_size") // now(size)
+    for groups, heads in MAMBA_GROUPS:
+        if isinstance(now(groups), int) and isinstance(now(heads), int) and now(heads) % now(groups):
+            overrides[aliases.get(groups, groups)] = 1
+    # A model with language adapters (X-MOD) refuses a batch without a language: its first one.
+    if was("default_language") is None and was("languages"):
+        overrides["default_language"] = list(was("languages"))[0]
+
+
+def _field(config, key: str):
+    """``config.key``, or None where it has none. A heterogeneous config (Gemma 4's per-layer head_dim)
+    refuses to read a per-layer field globally: it still has the field, and takes it in its constructor."""
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return type(config).__dataclass_fields__[key].default if key in getattr(config, "__dataclass_fields__", {}) \
+            else True
+
+
+def _settable(config, key: str) -> bool:
+    """Whether the constructor takes ``key``: a field it has, not a property derived from other fields
+    (Falcon's head_dim is hidden_size // num_attention_heads; xLSTM's v_head_dim likewise) or one whose
+    setter refuses (ProphetNet's num_hidden_layers, XLNet's max_position_embeddings)."""
+    import copy
+
+    attribute = getattr(type(config), key, None)
+    if isinstance(attribute, property):
+        try:
+            setattr(copy.deepcopy(config), key, _field(config, key))
+        except Exception:
+            return False
+    try:
+        return hasattr(config, key)
+    except RuntimeError:  # a heterogeneous config's per-layer field, see _field
+        return True
 
 
 def attention_of(model_class, impl: str) -> str:
@@ -143,10 +311,11 @@ def sweep_row(model_type: str, impl: str) -> Row:
     try:
         got = torch.compile(model, backend=backend)(**inputs)
         got.loss.backward()
-    except UlyssesError as error:
-        row.outcome, row.reason = "refused with an error", f"{type(error).__name__}: {error}"[:300]
-        return _timed(row, started)
     except Exception as error:
+        refusal = error if isinstance(error, UlyssesError) else getattr(error, "inner_exception", None)
+        if isinstance(refusal, UlyssesError):  # raised in the backend, Dynamo wraps it in BackendCompilerFailed
+            row.outcome, row.reason = "refused with an error", f"{type(refusal).__name__}: {refusal}"[:300]
+            return _timed(row, started)
         row.reason = f"{type(error).__name__}: {str(error).strip()[:300]} ... {traceback.format_exc()[-300:]}"
         if not _compiles_without_ulysses(reference, inputs):
             row.outcome = "torch.compile fails without ulysses"
