@@ -659,6 +659,8 @@ def test_setitem_with_a_boolean_mask_is_a_masked_fill_of_each_ranks_block():
         decision = decide(node, {x: Shard(1), mask: mask_placement})
         assert decision.output == Shard(1) and decision.inputs == {x: Shard(1), mask: Shard(1)}
     assert decide(node, {x: Shard(1), mask: Shard(0)}) is None
+    node, (x, mask) = build(operator.setitem, torch.zeros(B, S, H), torch.zeros(B, dtype=torch.bool), 0)
+    assert decide(node, {x: Shard(1)}) is None  # a mask over the batch alone: not this rule's
 
 
 @pytest.mark.parametrize("name", ["normalize_expand_as", "scale_expand_as", "count_nonzero_over_tokens"])

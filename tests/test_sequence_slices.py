@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from graphs import calls, rewritten_graphs
 from multirank import compare_model, run_ranks
 from test_rules import build, decide, empty
-from ulysses_compile.core.collectives import gather_blocks, gather_seq, heads_to_seq, reblock_seq, seq_to_heads_qkv
+from ulysses_compile.core.collectives import (
+    gather_blocks,
+    gather_seq,
+    heads_to_seq,
+    reblock_seq,
+    seq_to_heads_qkv,
+    shift_seq,
+)
 from ulysses_compile.core.sharding import Shard
 
 VOCAB, DIM, HEADS = 64, 32, 4
@@ -44,6 +51,29 @@ class SmearedShiftedLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 2:].reshape(-1))
 
 
+class TokenShiftLM(nn.Module):
+    """x-transformers' ``shift_tokens``: channel chunks padded along the sequence by (k, -k) (one token
+    back, and one forward), as RWKV's ``ZeroPad2d((0, 0, 1, -1))`` (one chunk's channels shifted as
+    well); a ``torch.roll`` of the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        back, forward, rest = x.split([DIM // 4, DIM // 4, DIM // 2], dim=-1)
+        back = F.pad(back, (1, -1, 1, -1))  # its channels shifted too, on each block
+        x = torch.cat([back, F.pad(forward, (0, 0, -1, 1), value=0.5), rest], dim=-1)
+        x = x + 0.1 * torch.roll(x, 2, dims=1)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), idx.reshape(-1))
+
+
 def _ids(seq: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
 
@@ -68,6 +98,33 @@ def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
     assert len(calls(gm, reblock_seq)) == 4  # x[:, 1:] read twice, x[:, :-1], logits[:, :-1]: rows move
     assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
     assert len(calls(gm, seq_to_heads_qkv)) == 1
+
+
+def test_token_shifts_move_rows_between_neighbours_with_no_gather(fake_group):
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(TokenShiftLM(), (_ids(35),))
+    report = gm.meta["ulysses_report"]
+    assert report.fallbacks == [] and len(report.attention_sites) == 1
+    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, -1, 2]
+    assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
+    assert len(calls(gm, seq_to_heads_qkv)) == len(calls(gm, heads_to_seq)) == 1
+
+
+def test_a_pad_or_roll_of_the_sequence_shifts_it_unless_it_grows_or_passes_a_block():
+    node, (x,) = build(F.pad, empty(2, 8, 4), (0, 0, 1, -1))
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == Shard(1) and decision.localize is not None
+    node, (x,) = build(F.pad, empty(2, 8, 4), (1, 1))  # the channels only: each block padded
+    assert decide(node, {x: Shard(1)}).localize is None
+    node, (x,) = build(F.pad, empty(2, 8, 4), (0, 0, 1, 0))  # grows the sequence
+    assert decide(node, {x: Shard(1)}) is None
+    node, (x,) = build(F.pad, empty(2, 8, 4), (0, 0, 5, -5))  # more than a block of 4
+    assert decide(node, {x: Shard(1)}) is None
+    node, (x,) = build(torch.roll, empty(2, 8, 4), -1, 1)
+    assert decide(node, {x: Shard(1)}).localize is not None
+    node, (x,) = build(torch.roll, empty(2, 8, 4), 3, -1)  # along the channels: each block rolled
+    assert decide(node, {x: Shard(1)}).localize is None
 
 
 class SlicedWhereShardingStarts(nn.Module):
@@ -118,6 +175,12 @@ def equal_to_eager(rank, world_size, seq, model_class):
 @pytest.mark.parametrize("world_size, seq", [(2, 33), (2, 34), (4, 35)], ids=["P2 uneven", "P2 even", "P4 uneven"])
 def test_the_smear_and_the_shifted_loss_equal_to_eager(world_size, seq):
     run_ranks(equal_to_eager, world_size, seq, SmearedShiftedLM)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
+def test_token_shifts_equal_to_eager(world_size, seq):
+    run_ranks(equal_to_eager, world_size, seq, TokenShiftLM)
 
 
 @pytest.mark.multirank

@@ -324,7 +324,7 @@ class GatheredOnUse(torch.Tensor):
         return GatheredOnUse(inner["_block"], None, layout, length, None, [])
 
     @classmethod
-    @torch.compiler.disable  # runs eagerly: Dynamo would otherwise compile it as a frame of the model's
+    @torch.compiler.disable  # eager code between graphs calls it: Dynamo would compile it as a frame
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args else None

@@ -29,6 +29,8 @@ reblock_seq          S -> S of a slice of the   the inverse all-to-all (each row
                      sequence, in its own       the rank that sent it)
                      blocks: rows between
                      neighbours
+shift_seq            S -> S shifted by k rows:  the inverse exchange (each row's gradient back to the
+                     k rows to each neighbour   rank that sent it)
 ===================  =========================  ======================================================
 """
 
@@ -61,6 +63,7 @@ __all__ = [
     "scatter_seq",
     "seq_to_heads",
     "seq_to_heads_qkv",
+    "shift_seq",
     "sync_grad",
 ]
 
@@ -352,6 +355,31 @@ def reblock_seq(x, dim: int, held: tuple, wanted: tuple, rank: int, world_size: 
     return torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
 
 
+def shift_seq(x, dim: int, shift: int, fill: float | None, rank: int, world_size: int, group_name: str):
+    """The rank's block of the sequence moved by ``shift`` rows, as ``F.pad(x, (.., shift, -shift))``
+    (``fill`` entering at the start, or at the end for a negative shift) or ``torch.roll`` (``fill``
+    None: the rows leaving one end enter the other). Each rank sends the ``|shift|`` rows leaving its
+    block to the next rank in the shift's direction and receives as many: the exchange is cyclic, so no
+    rank sends or receives nothing, and the rank at the start keeps the rows it received (selected away
+    by ``where`` where ``fill`` replaces them), so its backward exchange waits on its gradients as every
+    other rank's does (an exchange empty on one rank could be scheduled apart there, and the ranks'
+    collectives would no longer match)."""
+    count, length = abs(shift), x.shape[dim]
+    leaving = x.narrow(dim, length - count, count) if shift > 0 else x.narrow(dim, 0, count)
+    target = (rank + (1 if shift > 0 else -1)) % world_size
+    source = (rank - (1 if shift > 0 else -1)) % world_size
+    rows = [*x.shape[:dim], count, *x.shape[dim + 1:]]
+    chunks = [[leaving if peer == target else leaving.narrow(dim, 0, 0)] for peer in range(world_size)]
+    shapes = [[rows if peer == source else [*rows[:dim], 0, *rows[dim + 1:]]] for peer in range(world_size)]
+    entering = torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
+    fills = rank == (0 if shift > 0 else world_size - 1)  # its block starts (ends) the sequence
+    if fill is not None and fills:
+        entering = torch.where(torch.zeros((), dtype=torch.bool, device=x.device), entering,
+                               torch.full_like(entering, fill))
+    kept = x.narrow(dim, 0, length - count) if shift > 0 else x.narrow(dim, count, length - count)
+    return torch.cat([entering, kept] if shift > 0 else [kept, entering], dim)
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     """``(first, count)`` of the rows both row ranges ``(first, count)`` hold."""
     start = max(a[0], b[0])
@@ -408,7 +436,7 @@ def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size:
 
 
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,
-               heads_to_seq, gather_kv_heads, reblock_seq,
+               heads_to_seq, gather_kv_heads, reblock_seq, shift_seq,
                add_previous_ranks_totals)
 
 

@@ -7,6 +7,7 @@ is rewritten to the local shape. Slicing the sequence itself, or splitting it ac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -14,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.collectives import insert_call, reblock_seq
+from ulysses_compile.core.collectives import insert_call, reblock_seq, shift_seq
 from ulysses_compile.core.compat import statically_known_true
 from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import CASTS, spellings
@@ -25,6 +26,7 @@ from ulysses_compile.core.sharding import (
     NodeSharding,
     Shard,
     block_range,
+    block_sizes,
     is_rank_local,
     local_shape,
     place,
@@ -351,7 +353,8 @@ def _is_aligned_mask(view, target, index) -> bool:
     x's block, as Gemma 3 masks its image tokens in the ids): a masked fill."""
     mask = view.value(index)
     return isinstance(index, fx.Node) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool \
-        and view.sharded(target) is not None and view.placement(index) in (view.placement(target), REPLICATE) \
+        and view.sharded(target) is not None and view.sharded(target)[0] < mask.dim() \
+        and view.placement(index) in (view.placement(target), REPLICATE) \
         and tuple(mask.shape) == tuple(view.value(target).shape[:mask.dim()])
 
 
@@ -490,6 +493,90 @@ def cat_rule(node, view):
         return Decision(sharded[0], {parts[0]: sharded[0]})
     out_placement = with_dim(sharded[0], seq_dim + 1 if stacking and dim <= seq_dim else seq_dim)
     return Decision(out_placement, {t: sharded[0] for t in parts})
+
+
+@register(*spellings("pad"))
+def pad_rule(node, view):
+    """``F.pad`` of a sharded sequence: other dims padded on each block; on the sequence, a shift by k
+    tokens (``F.pad(x, (0, 0, k, -k))``, x-transformers' and RWKV's token shift) takes k rows from the
+    neighbouring block (``shift_seq``), never the sequence."""
+    args = method_or_function_args(node, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
+    source, pads = args["input"], args["pad"]
+    factors = view.sharded(source)
+    if factors is None or factors[1:] != (1, 1) or args["mode"] != "constant" or not isinstance(pads, (tuple, list)) \
+            or not all(isinstance(amount, int) for amount in pads):
+        return None
+    dim, ndim = factors[0], view.value(source).dim()
+    at = 2 * (ndim - 1 - dim)
+    before, after = (pads[at], pads[at + 1]) if at + 1 < len(pads) else (0, 0)
+    if (before, after) == (0, 0):
+        return Decision(view.placement(source), {source: view.placement(source)})
+    if before != -after or not _shift_fits(view, view.value(source).shape[dim], before):
+        return None  # a pad that grows or shrinks the sequence
+    localize = functools.partial(_localize_shift, dim=dim, shift=before, fill=args["value"] or 0.0,
+                                 sequence_pad=(at, at + 1))
+    return Decision(view.placement(source), {source: view.placement(source)}, localize)
+
+
+@register(*spellings("roll"))
+def roll_rule(node, view):
+    """``torch.roll(x, k, dims=seq)``: the rows leaving one end enter the other, k rows between neighbours."""
+    args = method_or_function_args(node, ("input", "shifts", "dims"), {"dims": None})
+    source, shifts, dims = args["input"], args["shifts"], args["dims"]
+    factors = view.sharded(source)
+    shifts, dims = (shifts if isinstance(shifts, (tuple, list)) else (shifts,)), \
+        (dims if isinstance(dims, (tuple, list)) else (dims,))
+    if factors is None or factors[1:] != (1, 1) or len(shifts) != 1 or len(dims) != 1 or dims[0] is None \
+            or not isinstance(shifts[0], int):
+        return None
+    source_value = view.value(source)
+    dim = factors[0]
+    if normalize_dim(dims[0], source_value.dim()) != dim:
+        return Decision(view.placement(source), {source: view.placement(source)})
+    length = source_value.shape[dim]
+    if shifts[0] == 0:
+        return Decision(view.placement(source), {source: view.placement(source)})
+    shift = (shifts[0] + length // 2) % length - length // 2 if not is_symbolic(length) else shifts[0]
+    if not _shift_fits(view, length, shift):
+        return None
+    return Decision(view.placement(source), {source: view.placement(source)},
+                    functools.partial(_localize_shift, dim=dim, shift=shift, fill=None, sequence_pad=None))
+
+
+def _shift_fits(view, length, shift: int) -> bool:
+    """Every rank's block holds the |shift| rows it passes on (a static length)."""
+    return not is_symbolic(length) and 0 < abs(shift) <= min(block_sizes(length, view.world_size))
+
+
+def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_pad) -> None:
+    """The shift as ``shift_seq`` on the rank's block (roll: the exchange is the whole op); a pad of
+    other dims too stays, on the exchange's result, its sequence entries zeroed."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    source = args[0] if args else kwargs["input"]
+    moved = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
+                        before=node)
+    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value, {source: Shard(dim)}))
+    pads = list(args[1] if len(args) > 1 else kwargs["pad"]) if sequence_pad is not None else []
+    for at in sequence_pad or ():
+        pads[at] = 0
+    if not any(pads):
+        _replace_placed(node, moved)
+        return
+    kwargs.update({"input": moved} if not args else {}, **({"pad": tuple(pads)} if len(args) < 2 else {}))
+    args[:2] = [moved, tuple(pads)][:len(args)]
+    node.args, node.kwargs = tuple(args), kwargs
+    place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
+
+
+def _replace_placed(node: fx.Node, new: fx.Node) -> None:
+    """``node``'s readers read ``new`` (placed as ``node`` was) instead, and ``node`` goes."""
+    for user in list(node.users):
+        placed = sharding_of(user)
+        if placed is not None and node in placed.inputs:
+            place(user, dataclasses.replace(placed, inputs={new if arg is node else arg: placement
+                                                            for arg, placement in placed.inputs.items()}))
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
 
 
 @register(*spellings("gather"))
