@@ -355,15 +355,16 @@ def reblock_seq(x, dim: int, held: tuple, wanted: tuple, rank: int, world_size: 
     return torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
 
 
-def shift_seq(x, dim: int, shift: int, fill: float | None, rank: int, world_size: int, group_name: str):
+def shift_seq(x, dim: int, shift: int, fill, rank: int, world_size: int, group_name: str):
     """The rank's block of the sequence moved by ``shift`` rows, as ``F.pad(x, (.., shift, -shift))``
-    (``fill`` entering at the start, or at the end for a negative shift) or ``torch.roll`` (``fill``
-    None: the rows leaving one end enter the other). Each rank sends the ``|shift|`` rows leaving its
+    (``fill``, a value or a whole tensor of ``shift`` rows, entering at the start, or at the end for a
+    negative shift) or ``torch.roll`` (``fill`` None: the rows leaving one end enter the other). Each rank sends the ``|shift|`` rows leaving its
     block to the next rank in the shift's direction and receives as many: the exchange is cyclic, so no
     rank sends or receives nothing, and the rank at the start keeps the rows it received (selected away
     by ``where`` where ``fill`` replaces them), so its backward exchange waits on its gradients as every
     other rank's does (an exchange empty on one rank could be scheduled apart there, and the ranks'
-    collectives would no longer match)."""
+    collectives would no longer match). Every rank reads ``fill`` through the same ``where`` for the
+    same reason: a fill computed from a parameter gets its gradient's all-reduce on every rank."""
     count, length = abs(shift), x.shape[dim]
     leaving = x.narrow(dim, length - count, count) if shift > 0 else x.narrow(dim, 0, count)
     target = (rank + (1 if shift > 0 else -1)) % world_size
@@ -372,10 +373,10 @@ def shift_seq(x, dim: int, shift: int, fill: float | None, rank: int, world_size
     chunks = [[leaving if peer == target else leaving.narrow(dim, 0, 0)] for peer in range(world_size)]
     shapes = [[rows if peer == source else [*rows[:dim], 0, *rows[dim + 1:]]] for peer in range(world_size)]
     entering = torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
-    fills = rank == (0 if shift > 0 else world_size - 1)  # its block starts (ends) the sequence
-    if fill is not None and fills:
-        entering = torch.where(torch.zeros((), dtype=torch.bool, device=x.device), entering,
-                               torch.full_like(entering, fill))
+    if fill is not None:  # on every rank, so that a fill computed from parameters has one backward everywhere
+        fills = rank == (0 if shift > 0 else world_size - 1)  # its block starts (ends) the sequence
+        entering = torch.where(torch.full((), not fills, dtype=torch.bool, device=x.device), entering,
+                               fill if isinstance(fill, torch.Tensor) else torch.full_like(entering, fill))
     kept = x.narrow(dim, 0, length - count) if shift > 0 else x.narrow(dim, count, length - count)
     return torch.cat([entering, kept] if shift > 0 else [kept, entering], dim)
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from ulysses_compile.core.collectives import insert_call, reblock_seq, shift_seq
 from ulysses_compile.core.compat import statically_known_true
-from ulysses_compile.core.fx_graph import index_entries, insert_part, method_or_function_args, normalize_dim
+from ulysses_compile.core.fx_graph import erase_unused, index_entries, insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.runtime import summed_away
 from ulysses_compile.core.sharding import (
@@ -488,6 +488,8 @@ def cat_rule(node, view):
     dim = normalize_dim(dim, ndim + 1 if stacking else ndim)
     seq_dim = sharded[0].dim
     if not stacking and dim == seq_dim:
+        if len(parts) == 2:
+            return _shift_by_cat(view, *parts, dim)
         if len(parts) != 1:
             return None
         return Decision(sharded[0], {parts[0]: sharded[0]})
@@ -541,6 +543,35 @@ def roll_rule(node, view):
         return None
     return Decision(view.placement(source), {source: view.placement(source)},
                     functools.partial(_localize_shift, dim=dim, shift=shift, fill=None, sequence_pad=None))
+
+
+def _shift_by_cat(view, head, body, dim: int) -> Decision | None:
+    """``torch.cat([head, x[:, :-k]], dim=seq)``: x shifted by k tokens with a whole head of k rows in
+    front (a learned start token, zeros), as ``shift_seq`` with the head entering at the start. The
+    slice ``x[:, :-k]`` read only here is not computed."""
+    if view.sharded(head) is not None or view.sharded(body) is None or body.target is not operator.getitem \
+            or len(body.users) != 1 or not isinstance(body.args[0], fx.Node):
+        return None
+    source, entries = body.args[0], index_entries(body.args[1], view.value(body.args[0]).dim())
+    factors, length = view.sharded(source), view.value(source).shape[dim]
+    shift = view.value(head).shape[dim] if dim < view.value(head).dim() else None
+    if factors is None or factors[1:] != (1, 1) or factors[0] != dim or len(entries) != view.value(source).dim() \
+            or is_symbolic(length) or not isinstance(shift, int) or not _shift_fits(view, length, shift) \
+            or entries[dim] not in (slice(None, -shift), slice(0, -shift), slice(None, length - shift),
+                                    slice(0, length - shift)) \
+            or any(entry != slice(None) for at, entry in enumerate(entries) if at != dim):
+        return None
+    localize = functools.partial(_localize_cat_shift, source=source, head=head, dim=dim, shift=shift)
+    return Decision(view.placement(source), {head: REPLICATE, body: view.placement(body)}, localize)
+
+
+def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, dim, shift) -> None:
+    body = next(arg for arg in node.args[0] if arg is not head)
+    moved = insert_call(node.graph, shift_seq, (source, dim, shift, head, ctx.rank, ctx.world_size, ctx.group_name),
+                        before=node)
+    place(moved, NodeSharding(Shard(dim), sharding.global_value, {source: Shard(dim), head: REPLICATE}))
+    _replace_placed(node, moved)
+    erase_unused(body)
 
 
 def _shift_fits(view, length, shift: int) -> bool:
