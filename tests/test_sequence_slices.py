@@ -54,7 +54,8 @@ class SmearedShiftedLM(nn.Module):
 class TokenShiftLM(nn.Module):
     """x-transformers' ``shift_tokens``: channel chunks padded along the sequence by (k, -k) (one token
     back, and one forward), as RWKV's ``ZeroPad2d((0, 0, 1, -1))`` (one chunk's channels shifted as
-    well); a ``torch.roll`` of the positions; a shift spelled ``cat([start_token, x[:, :-1]])``."""
+    well); a ``torch.roll`` of the positions; a shift spelled ``cat([start_token, y[:, :-1]])`` of a
+    shifted ``y``."""
 
     def __init__(self):
         super().__init__()
@@ -65,7 +66,8 @@ class TokenShiftLM(nn.Module):
 
     def forward(self, idx):
         x = self.embed(idx)
-        x = x + torch.cat([self.start.expand(x.shape[0], 1, DIM), x[:, :-1]], dim=1)  # a learned start token
+        shifted = F.pad(x, (0, 0, 1, -1))
+        x = x + torch.cat([self.start.expand(x.shape[0], 1, DIM), shifted[:, :-1]], dim=1)  # a learned start token
         back, forward, rest = x.split([DIM // 4, DIM // 4, DIM // 2], dim=-1)
         back = F.pad(back, (1, -1, 1, -1))  # its channels shifted too, on each block
         x = torch.cat([back, F.pad(forward, (0, 0, -1, 1), value=0.5), rest], dim=-1)
@@ -108,7 +110,7 @@ def test_token_shifts_move_rows_between_neighbours_with_no_gather(fake_group):
     (gm,) = rewritten_graphs(TokenShiftLM(), (_ids(35),))
     report = gm.meta["ulysses_report"]
     assert report.fallbacks == [] and len(report.attention_sites) == 1
-    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, 1, -1, 2]
+    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, 1, 1, -1, 2]
     assert calls(gm, reblock_seq) == []  # the cat's slice x[:, :-1] is not computed
     assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
     assert len(calls(gm, seq_to_heads_qkv)) == len(calls(gm, heads_to_seq)) == 1
@@ -181,7 +183,7 @@ def test_the_smear_and_the_shifted_loss_equal_to_eager(world_size, seq):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
+@pytest.mark.parametrize("world_size, seq", [(2, 33), (3, 34), (4, 35)], ids=["P2 uneven", "P3 uneven", "P4 uneven"])
 def test_token_shifts_equal_to_eager(world_size, seq):
     run_ranks(equal_to_eager, world_size, seq, TokenShiftLM)
 

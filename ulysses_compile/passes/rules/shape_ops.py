@@ -7,7 +7,6 @@ is rewritten to the local shape. Slicing the sequence itself, or splitting it ac
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -561,16 +560,13 @@ def _shift_by_cat(view, head, body, dim: int) -> Decision | None:
                                     slice(0, length - shift)) \
             or any(entry != slice(None) for at, entry in enumerate(entries) if at != dim):
         return None
-    localize = functools.partial(_localize_cat_shift, source=source, head=head, dim=dim, shift=shift)
+    localize = functools.partial(_localize_cat_shift, source=source, head=head, body=body, dim=dim, shift=shift)
     return Decision(view.placement(source), {head: REPLICATE, body: view.placement(body)}, localize)
 
 
-def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, dim, shift) -> None:
-    body = next(arg for arg in node.args[0] if arg is not head)
-    moved = insert_call(node.graph, shift_seq, (source, dim, shift, head, ctx.rank, ctx.world_size, ctx.group_name),
-                        before=node)
-    place(moved, NodeSharding(Shard(dim), sharding.global_value, {source: Shard(dim), head: REPLICATE}))
-    _replace_placed(node, moved)
+def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, body, dim, shift) -> None:
+    _become_shift(node, sharding, ctx, source, dim, shift, head)
+    place(node, NodeSharding(sharding.output, sharding.global_value, {source: Shard(dim), head: REPLICATE}))
     erase_unused(body)
 
 
@@ -580,34 +576,34 @@ def _shift_fits(view, length, shift: int) -> bool:
 
 
 def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_pad) -> None:
-    """The shift as ``shift_seq`` on the rank's block (roll: the exchange is the whole op); a pad of
-    other dims too stays, on the exchange's result, its sequence entries zeroed."""
+    """The shift as ``shift_seq`` on the rank's block: the node itself becomes the exchange (roll, or a pad of
+    the sequence alone), or a pad of other dims too runs on the exchange's result, its sequence entries
+    zeroed. Nodes keep their identity: a later rule's rewrite may name them."""
     args, kwargs = list(node.args), dict(node.kwargs)
     source = args[0] if args else kwargs["input"]
-    moved = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
-                        before=node)
-    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value, {source: Shard(dim)}))
     pads = list(args[1] if len(args) > 1 else kwargs["pad"]) if sequence_pad is not None else []
     for at in sequence_pad or ():
         pads[at] = 0
     if not any(pads):
-        _replace_placed(node, moved)
+        _become_shift(node, sharding, ctx, source, dim, shift, fill)
+        place(node, NodeSharding(sharding.output, sharding.global_value, {source: Shard(dim)}))
         return
+    moved = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
+                        before=node)
+    place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value, {source: Shard(dim)}))
     kwargs.update({"input": moved} if not args else {}, **({"pad": tuple(pads)} if len(args) < 2 else {}))
     args[:2] = [moved, tuple(pads)][:len(args)]
     node.args, node.kwargs = tuple(args), kwargs
     place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
 
 
-def _replace_placed(node: fx.Node, new: fx.Node) -> None:
-    """``node``'s readers read ``new`` (placed as ``node`` was) instead, and ``node`` goes."""
-    for user in list(node.users):
-        placed = sharding_of(user)
-        if placed is not None and node in placed.inputs:
-            place(user, dataclasses.replace(placed, inputs={new if arg is node else arg: placement
-                                                            for arg, placement in placed.inputs.items()}))
-    node.replace_all_uses_with(new)
-    node.graph.erase_node(node)
+def _become_shift(node: fx.Node, sharding, ctx, source, dim, shift, fill) -> None:
+    """``node`` turned into the call ``shift_seq(source, ...)``, keeping its name and its readers."""
+    call = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
+                       before=node)
+    node.target, node.args, node.kwargs = call.target, call.args, call.kwargs
+    node.meta["custom"] = call.meta["custom"]
+    node.graph.erase_node(call)
 
 
 @register(*spellings("gather"))
