@@ -94,6 +94,25 @@ class ViewsBetweenTheProducts(_FusedQKV):
         return BloomGelu.apply(self.out(out.view(b, self.heads, s, self.head_dim).permute(0, 2, 1, 3).reshape(b, s, d)))
 
 
+class SinkScaledOutput(_FusedQKV):
+    """Granite's sliding-window attention: a learned sink per head scales each query's output by
+    ``sigmoid(logsumexp(scores) - sink)``, computed from the scores beside the softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(self.heads))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim) + causal
+        sink_scale = (torch.logsumexp(scores, dim=-1) - self.sinks.view(1, -1, 1)).sigmoid()
+        out = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        out = out * sink_scale.unsqueeze(-1)
+        return self.out(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class FlashAttention(nn.Module):
     """flash-attn's flash_attn_func on [B, S, H, D], optionally with fewer KV heads, ALiBi slopes per head
     and a sliding window."""
@@ -332,6 +351,7 @@ FORMS = {
     "nanogpt_manual": lambda: nanogpt.make(seq_len=SEQ, flash=False),
     "einsum_bshd": _seeded(lambda: (EinsumAttention(), (_features(),), {})),
     "baddbmm_merged_heads": _seeded(lambda: (BaddbmmAttention(), (_features(),), {})),
+    "sink_scaled_output": _seeded(lambda: (SinkScaledOutput(), (_features(),), {})),
     "views_between_the_products": _seeded(lambda: (ViewsBetweenTheProducts(), (_features(),), {})),
     "views_between_the_products_6_heads": _seeded(lambda: (ViewsBetweenTheProducts(dim=48, heads=6),
                                                            (torch.randn(2, SEQ, 48),), {})),

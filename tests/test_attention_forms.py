@@ -22,6 +22,7 @@ EXPECTED = {
     "nanogpt_manual": (["matmul_softmax"] * 2, "one"),
     "einsum_bshd": (["einsum_softmax"], "one"),
     "baddbmm_merged_heads": (["baddbmm_softmax_bmm"], "one"),
+    "sink_scaled_output": (["matmul_softmax"], "one"),
     "views_between_the_products": (["baddbmm_softmax_bmm"], "one"),
     "views_between_the_products_6_heads": (["baddbmm_softmax_bmm"], "one"),
     "llama_eager_gqa_gathered": (["matmul_softmax"], "gathered"),

@@ -125,6 +125,19 @@ def _values_matmul(node, views: list, depth: int = 0):
     return None
 
 
+def _scaled_by_the_scores(output: fx.Node, scores: fx.Node) -> fx.Node | None:
+    """The product's only reader when it scales it by a value computed from the scores, per head and
+    query: Granite's sink, ``out * sigmoid(logsumexp(scores) - sinks).unsqueeze(-1)``, runs on the
+    rank's heads with the attention; else None."""
+    if len(output.users) != 1:
+        return None
+    (user,) = output.users
+    if not _is(user, spellings("mul", "div")) or user.args[0] is not output or len(user.args) != 2 \
+            or not isinstance(user.args[1], fx.Node) or not _computed_from(user.args[1], scores, depth=12):
+        return None
+    return user
+
+
 def _heads_outer(views: list, q_heads: int, head_axis: int, ndim: int) -> "int | str":
     """The batch merged before the heads in q's head dim, read off the views between the products
     (``[B*H, S, S]`` <-> ``[B, H, S, S]``): 1 without such views, a reason where they regroup otherwise."""
@@ -308,9 +321,13 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
         side_inputs.append(scores_node.args[0] if scores_node.args else scores_node.kwargs["input"])
     region = {scores.slots["second"].consumer: (head_axis, {}), scores_node: (scores.axes["out"][0], {}),
               values_node: (head_axis, {probs: values.axes["first"][0]})}
+    output = values_node
+    while (scaled := _scaled_by_the_scores(output, scores_node)) is not None:
+        region[scaled] = (head_axis, {})
+        output = scaled
     slots = {"query": scores.slots["first"], "key": scores.slots["second"], "value": values.slots["second"]}
     spelling = f"{scores.form}_softmax" + ("" if values.form == scores.form else f"_{values.form}")
-    site = read_site(values_node, HANDWRITTEN, spelling, module_path(softmax), slots, head_axis=head_axis,
+    site = read_site(output, HANDWRITTEN, spelling, module_path(softmax), slots, head_axis=head_axis,
                      seq_axis=seq_axis, is_causal=False, scores=scores_node, side_inputs=tuple(side_inputs),
                      region=region, heads_outer=heads_outer)
     if heads_outer > 1:
