@@ -21,10 +21,11 @@ from ulysses_compile.core.collectives import (
     gather_seq,
     heads_to_seq,
     reblock_seq,
+    reduce_partial,
     seq_to_heads_qkv,
     shift_seq,
 )
-from ulysses_compile.core.sharding import Shard
+from ulysses_compile.core.sharding import PARTIAL, Shard
 
 VOCAB, DIM, HEADS = 64, 32, 4
 
@@ -78,6 +79,28 @@ class TokenShiftLM(nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), idx.reshape(-1))
 
 
+class FirstAndLastRows(nn.Module):
+    """Rows inside one rank's block: the first token repeated in front of the shifted sequence
+    (``cat([x[:, :1], x[:, :-1]])``), and the last position's logits (``logits[:, -1:]``, as
+    transformers' ``logits_to_keep=1`` slices them) in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        x = x + torch.cat([x[:, :1], x[:, :-1]], dim=1)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        logits = self.head(x)
+        last = logits[:, -1:].reshape(-1, VOCAB)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)) + F.cross_entropy(last, idx[:, 0])
+
+
 def _ids(seq: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
 
@@ -89,7 +112,8 @@ def test_a_slice_of_the_sharded_sequence_stays_sharded_unless_strided():
     node, (x,) = build(operator.getitem, empty(2, 8, 4), (slice(None), slice(None, None, 2)))
     assert decide(node, {x: Shard(1)}) is None
     node, (x,) = build(operator.getitem, empty(2, 8, 4), (slice(None), slice(None, 1)))
-    assert decide(node, {x: Shard(1)}) is None  # shorter than the ranks: some would receive nothing
+    decision = decide(node, {x: Shard(1)})  # inside rank 0's block: its part of a sum, zeros elsewhere
+    assert decision.output == PARTIAL and decision.localize is not None
 
 
 def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
@@ -130,6 +154,17 @@ def test_a_pad_or_roll_of_the_sequence_shifts_it_unless_it_grows_or_passes_a_blo
     assert decide(node, {x: Shard(1)}).localize is not None
     node, (x,) = build(torch.roll, empty(2, 8, 4), 3, -1)  # along the channels: each block rolled
     assert decide(node, {x: Shard(1)}).localize is None
+
+
+def test_rows_inside_one_block_are_a_partial_sum_not_a_gather(fake_group):
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(FirstAndLastRows(), (_ids(35),))
+    report = gm.meta["ulysses_report"]
+    assert report.fallbacks == [] and len(report.attention_sites) == 1
+    assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
+    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1]
+    assert len(calls(gm, reduce_partial)) >= 2  # x[:, :1] and logits[:, -1:] summed over the ranks
 
 
 class SlicedWhereShardingStarts(nn.Module):
@@ -186,6 +221,12 @@ def test_the_smear_and_the_shifted_loss_equal_to_eager(world_size, seq):
 @pytest.mark.parametrize("world_size, seq", [(2, 33), (3, 34), (4, 35)], ids=["P2 uneven", "P3 uneven", "P4 uneven"])
 def test_token_shifts_equal_to_eager(world_size, seq):
     run_ranks(equal_to_eager, world_size, seq, TokenShiftLM)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
+def test_rows_inside_one_block_equal_to_eager(world_size, seq):
+    run_ranks(equal_to_eager, world_size, seq, FirstAndLastRows)
 
 
 @pytest.mark.multirank

@@ -214,6 +214,11 @@ def summed_away(x, dim: int):
     return x.sum(dim).to(x.dtype)
 
 
+def zero_rows(x, dim: int, count: int):
+    """``count`` rows of zeros along ``dim`` of an empty ``x``, of its dtype and connected to it."""
+    return x.sum(dim, keepdim=True).to(x.dtype).expand(*(count if at == dim else -1 for at in range(x.dim())))
+
+
 # Elements of the logits one chunk of token_loss_sum holds at a time (16 MiB in fp32).
 _CHUNK_ELEMENTS = 2**22
 _SUM = 2  # at::Reduction::Sum

@@ -18,7 +18,7 @@ from ulysses_compile.core.collectives import insert_call, reblock_seq, shift_seq
 from ulysses_compile.core.compat import statically_known_true
 from ulysses_compile.core.fx_graph import erase_unused, index_entries, insert_part, method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import CASTS, spellings
-from ulysses_compile.core.runtime import summed_away
+from ulysses_compile.core.runtime import summed_away, zero_rows
 from ulysses_compile.core.sharding import (
     PARTIAL,
     REPLICATE,
@@ -406,9 +406,15 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
     start, stop, _ = entry.indices(length)
     if (start, stop) == (0, length):
         return Decision(with_dim(placement, out_dim), {source: placement})
+    held = tuple(block_range(length, view.world_size, rank) for rank in range(view.world_size))
+    owners = [rank for rank, (first, count) in enumerate(held) if first <= start and stop <= first + count]
+    if owners and stop > start:
+        # Rows inside one rank's block (x[:, :1], x[:, -1:]): that rank's part of a sum, the others' zeros.
+        localize = functools.partial(_localize_owned_rows, entries=entries, position=position, out_dim=out_dim,
+                                     owner=owners[0], rows=(start - held[owners[0]][0], stop - start))
+        return Decision(PARTIAL, {source: placement}, localize)
     # Every rank sends and receives rows (an empty exchange would let the partitioner place it apart on
     # that rank): the slice spans every rank's block and is at least as long as there are ranks.
-    held = tuple(block_range(length, view.world_size, rank) for rank in range(view.world_size))
     if stop - start < view.world_size or any(first + count <= start or first >= stop for first, count in held):
         return None
     wanted = tuple((start + first, count) for first, count in
@@ -429,6 +435,20 @@ def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position,
     entries[position] = slice(None)
     node.args = (moved, tuple(entries))
     place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
+
+
+def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out_dim, owner, rows) -> None:
+    """``x[..., a:b, ...]`` inside the block of rank ``owner``: it takes its rows, the other ranks
+    contribute zeros connected to ``x`` (so every rank's backward runs the same collectives)."""
+    first, count = rows
+    entries = list(entries)
+    entries[position] = slice(first, first + count) if ctx.rank == owner else slice(0, 0)
+    node.args = (node.args[0], tuple(entries))
+    if ctx.rank != owner:
+        empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
+        place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
+        node.op, node.target, node.args, node.kwargs = "call_function", zero_rows, (empty, out_dim, count), {}
+        place(node, NodeSharding(sharding.output, sharding.global_value))
 
 
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
