@@ -180,6 +180,13 @@ def _position_read_around_a_write(h):
     return h + (before + torch.tanh(first)).unsqueeze(1)
 
 
+def _rows_read_around_a_write(h):
+    first = h[:, :1]  # rows inside rank 0's block, a view: the write below changes them too
+    before = torch.tanh(first)
+    h.mul_(2.0)
+    return h + (before + torch.tanh(first))
+
+
 def _view_read_after_its_base_is_written(h):
     following = h[:, 1:]  # a view across block boundaries, taken before the write below
     h.mul_(2.0)
@@ -353,6 +360,7 @@ STEPS = {
     "whole_buffer_written_by_tokens": _whole_buffer_written_by_tokens,
     "halves_into_new_buffer": _halves_written_into_a_new_buffer,
     "position_read_around_a_write": _position_read_around_a_write,
+    "rows_read_around_a_write": _rows_read_around_a_write,
     "sum_written_through_a_view": _sum_written_through_a_view,
     "view_read_after_its_base_is_written": _view_read_after_its_base_is_written,
     "written_through_a_shifted_view": _written_through_a_shifted_view,
@@ -395,6 +403,7 @@ PROBES = {
     "right_shifted_inputs": RightShifted,
     "halves_into_new_buffer": lambda: Probe(_halves_written_into_a_new_buffer),
     "position_read_around_a_write": lambda: Probe(_position_read_around_a_write),
+    "rows_read_around_a_write": lambda: Probe(_rows_read_around_a_write),
     "sum_written_through_a_view": lambda: Probe(_sum_written_through_a_view),
     "view_read_after_its_base_is_written": lambda: Probe(_view_read_after_its_base_is_written),
     "written_through_a_shifted_view": lambda: Probe(_written_through_a_shifted_view),

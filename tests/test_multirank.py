@@ -343,8 +343,9 @@ def test_shared_kv_heads_and_padding_masks_at_four_ranks():
     run_ranks(zoo_equal_to_eager, 4, ["bert_padding", "falcon_mqa", "llama_eager_attention", "qwen2"])
 
 
-def probes_equal_to_eager(rank, world_size, lengths):
-    for seq, (name, make) in ((seq, probe) for seq in lengths for probe in PROBES.items()):
+def probes_equal_to_eager(rank, world_size, lengths, names=None):
+    probes = [(name, make) for name, make in PROBES.items() if names is None or name in names]
+    for seq, (name, make) in ((seq, probe) for seq in lengths for probe in probes):
         torch.manual_seed(0)
         model = make()
         reference = copy.deepcopy(model)

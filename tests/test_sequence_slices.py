@@ -55,7 +55,7 @@ class SmearedShiftedLM(nn.Module):
 class TokenShiftLM(nn.Module):
     """x-transformers' ``shift_tokens``: channel chunks padded along the sequence by (k, -k) (one token
     back, and one forward), as RWKV's ``ZeroPad2d((0, 0, 1, -1))`` (one chunk's channels shifted as
-    well); a ``torch.roll`` of the positions; a shift spelled ``cat([start_token, y[:, :-1]])`` of a
+    well); a roll of the positions (``x.roll``, the method); a shift spelled ``cat([start_token, y[:, :-1]])`` of a
     shifted ``y``."""
 
     def __init__(self):
@@ -72,7 +72,7 @@ class TokenShiftLM(nn.Module):
         back, forward, rest = x.split([DIM // 4, DIM // 4, DIM // 2], dim=-1)
         back = F.pad(back, (1, -1, 1, -1))  # its channels shifted too, on each block
         x = torch.cat([back, F.pad(forward, (0, 0, -1, 1), value=0.5), rest], dim=-1)
-        x = x + 0.1 * torch.roll(x, 2, dims=1)
+        x = x + 0.1 * x.roll(2, dims=1)
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
         x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
@@ -227,6 +227,19 @@ def test_token_shifts_equal_to_eager(world_size, seq):
 @pytest.mark.parametrize("world_size, seq", [(2, 33), (4, 35)], ids=["P2 uneven", "P4 uneven"])
 def test_rows_inside_one_block_equal_to_eager(world_size, seq):
     run_ranks(equal_to_eager, world_size, seq, FirstAndLastRows)
+
+
+def rows_read_around_a_write_equal_to_eager(rank, world_size):
+    from test_multirank import probes_equal_to_eager
+
+    probes_equal_to_eager(rank, world_size, (15,), names=("rows_read_around_a_write", "position_read_around_a_write"))
+
+
+@pytest.mark.multirank
+def test_rows_read_around_a_write_of_their_source_equal_to_eager():
+    """The rank holding the rows reads a view of the written source, the others zeros: every rank
+    completes them with the same all-reduces in the same order (one per reader). The probes have 2 heads."""
+    run_ranks(rows_read_around_a_write_equal_to_eager, 2)
 
 
 @pytest.mark.multirank

@@ -5,7 +5,8 @@ scales, masks, casts, dropout, joined sink columns and views that regroup heads 
 split over the ranks, ``AttentionSite.heads_outer``). The form reads the softmax; the site's nodes from
 ``q @ k^T`` to ``@ v`` run on the rank's heads (its ``region``, placed by propagation), and its result
 passes through ``attention_output``, an identity marking where the heads end, which becomes the
-all-to-all back to the sequence. Masks and biases it meets are kept whole."""
+all-to-all back to the sequence; a scaling of ``@ v``'s result by a value computed from the scores
+(Granite's sinks) runs on the heads too, the marker after it. Masks and biases it meets are kept whole."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def _scaled_by_the_scores(output: fx.Node, scores: fx.Node) -> fx.Node | None:
         return None
     (user,) = output.users
     if not _is(user, spellings("mul", "div")) or user.args[0] is not output or len(user.args) != 2 \
-            or not isinstance(user.args[1], fx.Node) or not _computed_from(user.args[1], scores, depth=12):
+            or not isinstance(user.args[1], fx.Node) or value_of(user).shape != value_of(output).shape \
+            or not _computed_from(user.args[1], scores, depth=12):
         return None
     return user
 

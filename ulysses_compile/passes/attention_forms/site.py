@@ -60,7 +60,7 @@ class AttentionSite:
     key_source: fx.Node | None = None
     value_source: fx.Node | None = None
     kv_repeat: int = 1
-    scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node`` is probs @ v)
+    scores: fx.Node | None = None  # hand-written attention: the q @ k^T node (``node``: probs @ v, or its scaling)
     side_inputs: tuple = ()  # what else the scores are combined with (masks, biases, offsets): kept whole
     output_marker: fx.Node | None = None  # hand-written attention: its ``attention_output`` marker
     # Hand-written attention's nodes that run on this rank's heads: node -> (its head dim, the head dim

@@ -46,7 +46,7 @@ UNBINDS = spellings("unbind")
 # seen through the other. Over-inclusive on purpose (reshape, contiguous and casts may copy): a false
 # alias only costs a conversion placed later, a missed one a stale read.
 ALIASING = frozenset({
-    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, "unfold", *spellings(
+    *VIEWS, *TRANSPOSES, *SPLITS, *UNBINDS, *CASTS, operator.getitem, getattr, summed_away, zero_rows, "unfold", *spellings(
         "expand", "expand_as", "permute", "movedim", "moveaxis", "unsqueeze", "squeeze", "narrow", "select", "t",
         "detach", "as_strided", "diagonal", "contiguous", "view_as_real", "view_as_complex", "ravel",
         "broadcast_to", "split_with_sizes", "adjoint", "conj", "real", "imag", "hsplit", "vsplit", "dsplit",
@@ -621,8 +621,8 @@ def _become_shift(node: fx.Node, sharding, ctx, source, dim, shift, fill) -> Non
     """``node`` turned into the call ``shift_seq(source, ...)``, keeping its name and its readers."""
     call = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
                        before=node)
-    node.target, node.args, node.kwargs = call.target, call.args, call.kwargs
-    node.meta["custom"] = call.meta["custom"]
+    node.op, node.target, node.args, node.kwargs = "call_function", call.target, call.args, call.kwargs  # (x.roll)
+    node.meta["custom"] = {**node.meta.get("custom", {}), **call.meta["custom"]}
     node.graph.erase_node(call)
 
 
