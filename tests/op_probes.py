@@ -157,7 +157,7 @@ def _cumsum_written_in_place_and_reused(h):
 def _written_then_gathered(h):
     h = h * 1.0
     h.mul_(2.0)  # a write into a sequence-sharded value after it is made
-    return torch.roll(h, shifts=1, dims=1) + h  # roll gathers h: the written h
+    return torch.flip(h, dims=(1,)) + h  # flip gathers h: the written h
 
 
 def _whole_buffer_written_by_tokens(h):
@@ -247,7 +247,7 @@ def _interleaved_repeat(h):
 
 
 def _roll_shift(h):
-    return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around
+    return torch.roll(h, shifts=1, dims=1) * 0.5 + h  # each token plus half the one before it, wrapping around: one row between neighbours
 
 
 def _normalized(h):

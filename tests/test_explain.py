@@ -65,9 +65,9 @@ def test_explain_reports_sites_and_collectives_equal_to_the_formula(world_size):
     assert "Ulysses minimum" in text and "1.00x" in text
 
 
-class RollingBlock(torch.nn.Module):
+class FlippingBlock(torch.nn.Module):
     """Plain PyTorch with a graph break (a print-like call Dynamo cannot trace) and a cross-sequence op
-    with no sharded rule (``torch.roll`` over tokens), to see both reported."""
+    with no sharded rule (``torch.flip`` over tokens), to see both reported."""
 
     def __init__(self, dim: int = 32, heads: int = 4):
         super().__init__()
@@ -81,18 +81,18 @@ class RollingBlock(torch.nn.Module):
         q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
-        y = torch.roll(y, shifts=1, dims=1)
+        y = torch.flip(y, dims=(1,))
         torch._dynamo.graph_break()
         return self.out(y)
 
 
 def test_explain_reports_fallbacks_with_their_source_and_graph_breaks():
     idx = torch.randint(0, 64, (2, 16))
-    report = explain(RollingBlock(), idx, world_size=4)
+    report = explain(FlippingBlock(), idx, world_size=4)
     assert len(report.graphs) == 2 and len(report.graph_breaks) == 1
     assert len(report.attention_sites) == 1
     (fallback,) = report.fallbacks
-    assert "roll" in fallback.op and "torch.roll(y, shifts=1, dims=1)" in fallback.source
+    assert "flip" in fallback.op and "torch.flip(y, dims=(1,))" in fallback.source
     assert "fallbacks: 1" in str(report) and "graph break" in str(report)
 
 
