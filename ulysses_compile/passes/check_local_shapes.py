@@ -9,8 +9,6 @@ It changes no code (``tests/test_pass_goldens.py::test_check_local_shapes_change
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx as fx
 
@@ -28,9 +26,7 @@ def check_local_shapes(gm: fx.GraphModule, ctx) -> None:
     # is also found inside tensor subclasses (a graph whose inputs are all lazy blocks from the last one).
     fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
     mode = _fake_mode_of(fake_inputs) or FakeTensorMode()
-    # A check adds no guards to Dynamo's shape environment (a symbol of a lazy block has no source to guard).
-    with mode.shape_env.suppress_guards() if mode.shape_env is not None else contextlib.nullcontext():
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
         sharding = sharding_of(node)
         local = node.meta.get("val")
