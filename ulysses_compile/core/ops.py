@@ -92,6 +92,12 @@ def in_place_operators() -> frozenset:
 
 
 @functools.cache
+def elementwise_targets() -> frozenset:
+    """:func:`elementwise` as a set, for membership tests."""
+    return frozenset(elementwise())
+
+
+@functools.cache
 def elementwise() -> tuple:
     """Every spelling of every elementwise op, in-place ones included, and the layout-keeping methods."""
     return tuple(dict.fromkeys((*spellings(*pointwise_names(), in_place=True), *LAYOUT_KEEPING_METHODS)))

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.fx_graph import mutated_arg
-from ulysses_compile.core.ops import elementwise, spellings
+from ulysses_compile.core.ops import elementwise_targets, spellings
 from ulysses_compile.core.random_draws import random_draw
 
 
@@ -59,4 +59,4 @@ def _pure_targets() -> frozenset:
                        "flatten", "unflatten", "narrow", "select", "diff", "cumsum", "arange", "full", "full_like",
                        "zeros", "zeros_like", "ones", "ones_like", "new_ones", "new_zeros", "new_full", "tril",
                        "triu", "cat", "stack", "any", "all", "sum")
-    return frozenset((*elementwise(), *shapes, operator.getitem))
+    return elementwise_targets() | {*shapes, operator.getitem}

@@ -9,14 +9,13 @@ as it is.
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
 import torch.fx as fx
 
 from ulysses_compile.core.fx_graph import method_or_function_args, mutated_arg
-from ulysses_compile.core.ops import elementwise, spellings
+from ulysses_compile.core.ops import elementwise, elementwise_targets, spellings
 from ulysses_compile.core.runtime import dropout_block
 from ulysses_compile.core.sharding import REPLICATE, seq_factors, seq_shard
 from ulysses_compile.core.sizes import size_arg
@@ -89,13 +88,8 @@ def _elementwise_step(node: fx.Node) -> bool:
         return True
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get("example_value"), (tuple, list))
-    return node.op in ("call_function", "call_method") and node.target in _elementwise_targets() \
+    return node.op in ("call_function", "call_method") and node.target in elementwise_targets() \
         and mutated_arg(node) is None
-
-
-@functools.cache
-def _elementwise_targets() -> frozenset:
-    return frozenset(elementwise())
 
 
 @register(*CAST_LIKE)

@@ -445,10 +445,7 @@ def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out
     entries[position] = slice(first, first + count) if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
-        empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
-        place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
-        node.op, node.target, node.args, node.kwargs = "call_function", zero_rows, (empty, out_dim, count), {}
-        place(node, NodeSharding(sharding.output, sharding.global_value))
+        _zeros_from_an_empty_slice(node, sharding, zero_rows, out_dim, count)
 
 
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
@@ -463,10 +460,16 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_d
     entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
     node.args = (node.args[0], tuple(entries))
     if ctx.rank != owner:
-        empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
-        place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
-        node.op, node.target, node.args, node.kwargs = "call_function", summed_away, (empty, out_dim), {}
-        place(node, NodeSharding(sharding.output, sharding.global_value))
+        _zeros_from_an_empty_slice(node, sharding, summed_away, out_dim)
+
+
+def _zeros_from_an_empty_slice(node: fx.Node, sharding, zeros, *args) -> None:
+    """On a rank that holds none of what ``node`` (now an empty slice) reads: the slice kept as a part, and
+    ``node`` the zeros ``zeros(empty, *args)`` computes from it, connected to the source."""
+    empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
+    place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
+    node.op, node.target, node.args, node.kwargs = "call_function", zeros, (empty, *args), {}
+    place(node, NodeSharding(sharding.output, sharding.global_value))
 
 
 def _split_dim(node):
@@ -557,7 +560,9 @@ def roll_rule(node, view):
     length = source_value.shape[dim]
     if shifts[0] == 0:
         return Decision(view.placement(source), {source: view.placement(source)})
-    shift = (shifts[0] + length // 2) % length - length // 2 if not is_symbolic(length) else shifts[0]
+    if is_symbolic(length):
+        return None
+    shift = (shifts[0] + length // 2) % length - length // 2  # the same roll, by at most half the length
     if not _shift_fits(view, length, shift):
         return None
     return Decision(view.placement(source), {source: view.placement(source)},
@@ -575,7 +580,7 @@ def _shift_by_cat(view, head, body, dim: int) -> Decision | None:
     factors, length = view.sharded(source), view.value(source).shape[dim]
     shift = view.value(head).shape[dim] if dim < view.value(head).dim() else None
     if factors is None or factors[1:] != (1, 1) or factors[0] != dim or len(entries) != view.value(source).dim() \
-            or is_symbolic(length) or not isinstance(shift, int) or not _shift_fits(view, length, shift) \
+            or not isinstance(shift, int) or not _shift_fits(view, length, shift) \
             or entries[dim] not in (slice(None, -shift), slice(0, -shift), slice(None, length - shift),
                                     slice(0, length - shift)) \
             or any(entry != slice(None) for at, entry in enumerate(entries) if at != dim):
@@ -585,8 +590,7 @@ def _shift_by_cat(view, head, body, dim: int) -> Decision | None:
 
 
 def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, body, dim, shift) -> None:
-    _become_shift(node, sharding, ctx, source, dim, shift, head)
-    place(node, NodeSharding(sharding.output, sharding.global_value, {source: Shard(dim), head: REPLICATE}))
+    _become(node, _shift_call(node, ctx, source, dim, shift, head), sharding, {source: Shard(dim), head: REPLICATE})
     erase_unused(body)
 
 
@@ -604,12 +608,10 @@ def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_
     pads = list(args[1] if len(args) > 1 else kwargs["pad"]) if sequence_pad is not None else []
     for at in sequence_pad or ():
         pads[at] = 0
+    moved = _shift_call(node, ctx, source, dim, shift, fill)
     if not any(pads):
-        _become_shift(node, sharding, ctx, source, dim, shift, fill)
-        place(node, NodeSharding(sharding.output, sharding.global_value, {source: Shard(dim)}))
+        _become(node, moved, sharding, {source: Shard(dim)})
         return
-    moved = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
-                        before=node)
     place(moved, NodeSharding(Shard(dim), sharding_of(source).global_value, {source: Shard(dim)}))
     kwargs.update({"input": moved} if not args else {}, **({"pad": tuple(pads)} if len(args) < 2 else {}))
     args[:2] = [moved, tuple(pads)][:len(args)]
@@ -617,13 +619,17 @@ def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_
     place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
 
 
-def _become_shift(node: fx.Node, sharding, ctx, source, dim, shift, fill) -> None:
-    """``node`` turned into the call ``shift_seq(source, ...)``, keeping its name and its readers."""
-    call = insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
+def _shift_call(node: fx.Node, ctx, source, dim, shift, fill) -> fx.Node:
+    return insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
                        before=node)
+
+
+def _become(node: fx.Node, call: fx.Node, sharding, inputs: dict) -> None:
+    """``node`` turned into ``call`` (which goes), keeping its name, its readers and its output placement."""
     node.op, node.target, node.args, node.kwargs = "call_function", call.target, call.args, call.kwargs  # (x.roll)
     node.meta["custom"] = {**node.meta.get("custom", {}), **call.meta["custom"]}
     node.graph.erase_node(call)
+    place(node, NodeSharding(sharding.output, sharding.global_value, inputs))
 
 
 @register(*spellings("gather"))
