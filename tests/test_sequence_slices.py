@@ -30,29 +30,39 @@ from ulysses_compile.core.sharding import PARTIAL, Shard
 VOCAB, DIM, HEADS = 64, 32, 4
 
 
-class SmearedShiftedLM(nn.Module):
+class _CausalLM(nn.Module):
+    """An embedding, one causal SDPA attention (as a residual) and an LM head, around each model's own ops."""
+
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.smear_gate = nn.Linear(DIM, 1)
-        self.mix = nn.Linear(DIM, DIM)
         self.qkv = nn.Linear(DIM, 3 * DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def attend(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+
+
+class SmearedShiftedLM(_CausalLM):
+    def __init__(self):
+        super().__init__()
+        self.smear_gate = nn.Linear(DIM, 1)
+        self.mix = nn.Linear(DIM, DIM)
 
     def forward(self, idx):
         x = self.embed(idx)
         gate = torch.sigmoid(self.smear_gate(x[:, 1:]))
         x = x[:, 1:] + gate * x[:, :-1]  # nanochat's smear: each position mixed with the one before it
         x = x + self.mix(x)
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = self.attend(x)
         logits = self.head(x)
         # minGPT's loss, shifted by hand: position t predicts the token after it (t + 2 of idx here)
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 2:].reshape(-1))
 
 
-class TokenShiftLM(nn.Module):
+class TokenShiftLM(_CausalLM):
     """x-transformers' ``shift_tokens``: channel chunks padded along the sequence by (k, -k) (one token
     back, and one forward), as RWKV's ``ZeroPad2d((0, 0, 1, -1))`` (one chunk's channels shifted as
     well); a roll of the positions (``x.roll``, the method); a shift spelled ``cat([start_token, y[:, :-1]])`` of a
@@ -60,10 +70,7 @@ class TokenShiftLM(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
         self.start = nn.Parameter(torch.randn(1, 1, DIM))
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx):
         x = self.embed(idx)
@@ -73,29 +80,19 @@ class TokenShiftLM(nn.Module):
         back = F.pad(back, (1, -1, 1, -1))  # its channels shifted too, on each block
         x = torch.cat([back, F.pad(forward, (0, 0, -1, 1), value=0.5), rest], dim=-1)
         x = x + 0.1 * x.roll(2, dims=1)
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = self.attend(x)
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), idx.reshape(-1))
 
 
-class FirstAndLastRows(nn.Module):
+class FirstAndLastRows(_CausalLM):
     """Rows inside one rank's block: the first token repeated in front of the shifted sequence
     (``cat([x[:, :1], x[:, :-1]])``), and the last position's logits (``logits[:, -1:]``, as
     transformers' ``logits_to_keep=1`` slices them) in the loss."""
 
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
     def forward(self, idx):
         x = self.embed(idx)
         x = x + torch.cat([x[:, :1], x[:, :-1]], dim=1)
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = self.attend(x)
         logits = self.head(x)
         last = logits[:, -1:].reshape(-1, VOCAB)
         return F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)) + F.cross_entropy(last, idx[:, 0])
@@ -116,28 +113,29 @@ def test_a_slice_of_the_sharded_sequence_stays_sharded_unless_strided():
     assert decision.output == PARTIAL and decision.localize is not None
 
 
-def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
+def _parallel_with_no_gather(fake_group, model_class):
+    """``model_class`` rewritten at P = 4 (S = 35): its one SDPA site turned to heads and back by one
+    all-to-all each way, no fallback and nothing gathered; the graph, for each test's own counts."""
     fake_group(4)
     torch.manual_seed(0)
-    (gm,) = rewritten_graphs(SmearedShiftedLM(), (_ids(35),))
+    (gm,) = rewritten_graphs(model_class(), (_ids(35),))
     report = gm.meta["ulysses_report"]
     assert report.fallbacks == [] and [site.spelling for site in report.attention_sites] == [
         "scaled_dot_product_attention"]
-    assert len(calls(gm, reblock_seq)) == 4  # x[:, 1:] read twice, x[:, :-1], logits[:, :-1]: rows move
     assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
-    assert len(calls(gm, seq_to_heads_qkv)) == 1
+    assert len(calls(gm, seq_to_heads_qkv)) == len(calls(gm, heads_to_seq)) == 1
+    return gm
+
+
+def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
+    gm = _parallel_with_no_gather(fake_group, SmearedShiftedLM)
+    assert len(calls(gm, reblock_seq)) == 4  # x[:, 1:] read twice, x[:, :-1], logits[:, :-1]: rows move
 
 
 def test_token_shifts_move_rows_between_neighbours_with_no_gather(fake_group):
-    fake_group(4)
-    torch.manual_seed(0)
-    (gm,) = rewritten_graphs(TokenShiftLM(), (_ids(35),))
-    report = gm.meta["ulysses_report"]
-    assert report.fallbacks == [] and len(report.attention_sites) == 1
+    gm = _parallel_with_no_gather(fake_group, TokenShiftLM)
     assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, 1, 1, -1, 2]
     assert calls(gm, reblock_seq) == []  # the cat's slice x[:, :-1] is not computed
-    assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
-    assert len(calls(gm, seq_to_heads_qkv)) == len(calls(gm, heads_to_seq)) == 1
 
 
 def test_a_pad_or_roll_of_the_sequence_shifts_it_unless_it_grows_or_passes_a_block():
@@ -157,34 +155,21 @@ def test_a_pad_or_roll_of_the_sequence_shifts_it_unless_it_grows_or_passes_a_blo
 
 
 def test_rows_inside_one_block_are_a_partial_sum_not_a_gather(fake_group):
-    fake_group(4)
-    torch.manual_seed(0)
-    (gm,) = rewritten_graphs(FirstAndLastRows(), (_ids(35),))
-    report = gm.meta["ulysses_report"]
-    assert report.fallbacks == [] and len(report.attention_sites) == 1
-    assert calls(gm, gather_seq) == [] and calls(gm, gather_blocks) == []
+    gm = _parallel_with_no_gather(fake_group, FirstAndLastRows)
     assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1]
     assert len(calls(gm, reduce_partial)) >= 2  # x[:, :1] and logits[:, -1:] summed over the ranks
 
 
-class SlicedWhereShardingStarts(nn.Module):
+class SlicedWhereShardingStarts(_CausalLM):
     """Slices where sharding starts or a partial value meets them: inputs cut from a replicated batch
     (``batch[:, :-1]``), a running sum's tail, and logits sliced after a graph break (a value that
     arrives as the rank's block)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, batch):
         idx, targets = batch[:, :-1], batch[:, 1:]
         x = self.embed(idx)
         x = x + x.cumsum(1)[:, :1].expand_as(x) * 0.01
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = self.attend(x)
         logits = self.head(x)
         torch._dynamo.graph_break()
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, :-1].reshape(-1))
