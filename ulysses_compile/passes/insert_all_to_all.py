@@ -57,7 +57,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             query = slot.read()
             slot.write(_mark(insert_call(
                 graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
-                                      ctx.group_name, *_merged(site)), before=slot.consumer), site.heads_placement(),
+                                      ctx.group_name, *site.merged_heads_args()), before=slot.consumer), site.heads_placement(),
                 query))
             for role in ("key", "value"):
                 slot = site.slots[role]
@@ -65,7 +65,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
         site.form.on_rank_heads(site, ctx)
         output = site.form.output(site)
         back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
-                                                 ctx.world_size, ctx.group_name, *_merged(site)), after=output),
+                                                 ctx.world_size, ctx.group_name, *site.merged_heads_args()), after=output),
                      Shard(site.seq_axis), output)
         output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         if site.output_marker is not None:
@@ -90,7 +90,7 @@ def _fused_qkv(graph, site, ctx, replaced) -> bool:
     query, key, value = (node for node, _ in sent.values())
     fused = insert_call(graph, seq_to_heads_qkv, (query, key, value, site.seq_axis, site.head_axis, site.seq_len,
                                                   site.kv_seq_len, ctx.rank, ctx.world_size, ctx.group_name,
-                                                  *_merged(site)), before=first)
+                                                  *site.merged_heads_args()), before=first)
     place(fused, NodeSharding((site.heads_placement(),) * 3,
                               tuple(sharding_of(node).global_value for node, _ in sent.values())))
     for index, (role, (node, repeated)) in enumerate(sent.items()):
@@ -103,11 +103,6 @@ def _fused_qkv(graph, site, ctx, replaced) -> bool:
                           site.heads_placement(), kv)
         site.slots[role].write(local)
     return True
-
-
-def _merged(site) -> tuple:
-    """The all-to-alls' ``heads_outer`` argument where heads are merged with a batch (else left out)."""
-    return (site.heads_outer,) if site.heads_outer > 1 else ()
 
 
 def _sent(site, role: str) -> tuple[fx.Node, bool]:
@@ -138,7 +133,7 @@ def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node
                                                      ctx.rank, ctx.world_size, ctx.group_name), before=before)
         return place(local, NodeSharding(None, None))  # KV heads picked per query head: no placement
     local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
-                                                    ctx.world_size, ctx.group_name, *_merged(site)), before=before),
+                                                    ctx.world_size, ctx.group_name, *site.merged_heads_args()), before=before),
                   site.heads_placement(), sent)
     if not repeated:
         return local

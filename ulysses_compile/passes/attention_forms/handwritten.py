@@ -57,8 +57,8 @@ def _mark_output(site: AttentionSite) -> fx.Node:
     """The site's result passed through ``attention_output``, which marks where its heads end."""
     node = site.node
     with node.graph.inserting_after(node):
-        merged = (site.heads_outer,) if site.heads_outer > 1 else ()
-        marker = node.graph.call_function(attention_output, (node, site.head_axis, site.seq_axis, *merged))
+        marker = node.graph.call_function(attention_output, (node, site.head_axis, site.seq_axis,
+                                                             *site.merged_heads_args()))
     marker.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "stack_trace", "nn_module_stack")})
     node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
     return marker

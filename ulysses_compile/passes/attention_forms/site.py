@@ -72,6 +72,11 @@ class AttentionSite:
 
     decision: str = ""  # what the rewrite does at this world size
 
+    def merged_heads_args(self) -> tuple:
+        """The ``heads_outer`` argument of the calls that move this site's heads (all-to-alls, the output
+        marker) where heads are merged with a batch; left out otherwise."""
+        return (self.heads_outer,) if self.heads_outer > 1 else ()
+
     def heads_placement(self, axis: int | None = None):
         """This rank's heads along ``axis`` (default: q's head dim), within each batch when merged."""
         return seq_shard(self.head_axis if axis is None else axis, outer=self.heads_outer)
