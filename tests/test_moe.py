@@ -126,6 +126,8 @@ def moe_equal_to_eager(rank, world_size, names):
         if name in EXPERTS_AFTER_BREAKS:
             sites = [site for report in reports for site in report.attention_sites]
             assert len(sites) == 2 and all("parallelized" in site.decision for site in sites), sites
+            kinds = [c.kind for report in reports for c in report.collectives]
+            assert kinds.count("seq_to_heads_qkv") == kinds.count("heads_to_seq") == 2, kinds
         else:
             _assert_token_local(reports, kv_gathered=KV_HEADS[name] % world_size != 0)
         got["loss"].backward()
