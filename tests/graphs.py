@@ -58,9 +58,9 @@ def parallelized_graphs(parallelized, kwargs: dict, backward_of=lambda output: o
         return graph
 
     def backend(gm, example_inputs):
-        rewrite(gm, example_inputs, Options.parse({"compiler": "aot_eager"}), dist.group.WORLD)
+        _, report = rewrite(gm, example_inputs, Options.parse({"compiler": "aot_eager"}), dist.group.WORLD)
         graphs.append(gm)
-        return aot(keep, keep)(gm, example_inputs)
+        return aot(keep, keep, not report.rank_specific)(gm, example_inputs)
 
     recompiled = torch.compile(parallelized._orig_mod, backend=backend)
     for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):

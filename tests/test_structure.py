@@ -124,21 +124,22 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_qkv_parameters_weight_ : t
     l_x_ = L_x_
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
+    rank = ulysses_compile_core_collectives_rank_of_group('0', device(type='cpu'))
     sync_grad_1 = ulysses_compile_core_collectives_sync_grad(l_self_modules_out_parameters_weight_, group_name = '0')
     sync_grad = ulysses_compile_core_collectives_sync_grad(l_self_modules_qkv_parameters_weight_, group_name = '0')
-    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = 0, world_size = 2, group_name = '0')
+    scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = rank, world_size = 2, group_name = '0')
     linear = torch._C._nn.linear(scatter_seq, sync_grad, None)
     view = linear.view((2, 4, 3, 2, 8))
     permute = view.permute(2, 0, 3, 1, 4)
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = 0, world_size = 2, group_name = '0')
+    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = rank, world_size = 2, group_name = '0')
     getitem_3 = seq_to_heads_qkv[0]
     getitem_4 = seq_to_heads_qkv[1]
     getitem_5 = seq_to_heads_qkv[2]
     y = torch._C._nn.scaled_dot_product_attention(getitem_3, getitem_4, getitem_5, is_causal = True)
-    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = 0, world_size = 2, group_name = '0')
+    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(y, seq_dim = 2, head_dim = 1, heads = 2, rank = rank, world_size = 2, group_name = '0')
     transpose = heads_to_seq.transpose(1, 2)
     reshape = transpose.reshape((2, 4, 16))
     linear_1 = torch._C._nn.linear(reshape, sync_grad_1, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dis
 import functools
@@ -62,7 +63,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
     graph_name = f"compiled graph {CompileContext.current_compile_id()}"
     check = _input_check(gm, ctx, group, graph_name, expected, report.replicated_draws, opts.rank_wait_warning) \
         if opts.check_inputs and group.size() > 1 else None
-    compiled = inner_compile(gm, example_inputs, opts.compiler, mode)
+    compiled = inner_compile(gm, example_inputs, opts.compiler, mode, merge_equal_nodes=not report.rank_specific)
     if opts.verify == "short":
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
     elif opts.verify:
@@ -101,14 +102,14 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
-        group_name=group.group_name,
+        group_name=opts.group_name(),
         options=opts,
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
         data_parallel=_data_parallel(opts),
         outputs_to_caller=returns_to_compile_caller(gm),
         graph_break=graph_break_reason(gm),
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
-        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group),
+        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group, opts.group_name()),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report
@@ -164,7 +165,7 @@ def _check_one_device(gm: fx.GraphModule, example_inputs) -> None:
 
 def _data_parallel(opts: Options) -> tuple[str, int] | None:
     group = opts.data_parallel_group()
-    return (group.group_name, group.size()) if group is not None and group.size() > 1 else None
+    return (opts.data_parallel_group_name(), group.size()) if group is not None and group.size() > 1 else None
 
 
 BUCKET_MIB = 25.0  # DDP's bucket, for ZeRO's collectives in a graph without numbered layers
@@ -203,21 +204,26 @@ def _constant(value: float, index: int) -> float:
     return value
 
 
-def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None):
+def inner_compile(gm: fx.GraphModule, example_inputs, compiler: str, mode: str | None = None,
+                  merge_equal_nodes: bool = True):
+    """``merge_equal_nodes``: AOTAutograd's CSE, off for a graph whose code holds this rank's number
+    (``GraphReport.rank_specific``; ``compat.no_graph_cse`` says why)."""
     if compiler == "inductor":
         patches = {**bucketing(gm), **(list_mode_options(mode) if mode else {})}
-        with no_graph_cse():
+        with contextlib.nullcontext() if merge_equal_nodes else no_graph_cse():
             return compile_fx(gm, example_inputs, config_patches=patches)
     if compiler == "aot_eager":
-        return aot(boxed_nop, boxed_nop)(gm, example_inputs)
+        return aot(boxed_nop, boxed_nop, merge_equal_nodes)(gm, example_inputs)
     return gm.forward
 
 
-def aot(fw_compiler, bw_compiler):
+def aot(fw_compiler, bw_compiler, merge_equal_nodes: bool = True):
     """AOTAutograd with Inductor's partitioner, so aot_eager saves and recomputes what Inductor would
-    (ZeRO-3 re-gathers); like compile_fx here, it merges no equal nodes (``compat.no_graph_cse``)."""
+    (ZeRO-3 re-gathers), and merges equal nodes where compile_fx would."""
     compile_joint = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                  partition_fn=min_cut_rematerialization_partition)
+    if merge_equal_nodes:
+        return compile_joint
 
     def compile_without_cse(gm: fx.GraphModule, example_inputs):
         with no_graph_cse():

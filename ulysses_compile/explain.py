@@ -226,7 +226,7 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
 
         return compile_phase
 
-    compiled = leave_sharded(aot(keep("forward"), keep("backward"))(gm, example_inputs),
+    compiled = leave_sharded(aot(keep("forward"), keep("backward"), not graph_report.rank_specific)(gm, example_inputs),
                              graph_report.sharded_outputs, graph_report.computed_outputs, opts, dist.group.WORLD,
                              f"explained graph {index}", calls)
 

@@ -245,8 +245,10 @@ class GatheredOnUse(torch.Tensor):
         layout, rank and group) from a whole not gathered yet (nor gathered in the graph being traced,
         which may have written into it): the block itself, no gather. Else None."""
         layout = self._layout
-        same = (dim, outer, inner, rank, world_size, group_name) == \
-            (layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size, layout.group_name)
+        # A rank read at run time is this process's rank in the group: the layout's where the group is.
+        same = (dim, outer, inner, world_size, group_name) == \
+            (layout.dim, layout.outer, layout.inner, layout.world_size, layout.group_name) and \
+            (isinstance(rank, torch.Tensor) or rank == layout.rank)
         if not same or self._kept or getattr(self, "_traced", None) is not None:
             return None
         block = self._block
@@ -496,7 +498,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
     lazy, alike on every rank (a simulation in one process counts its own)."""
     if not sharded:
         return compiled
-    rank, world_size, group_name = group.rank(), group.size(), group.group_name
+    rank, world_size, group_name = group.rank(), group.size(), options.group_name()
     mesh_of = _sequence_mesh(options, group)
 
     def run(*args):

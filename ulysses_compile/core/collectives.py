@@ -29,20 +29,28 @@ reblock_seq          S -> S of a slice of the   the inverse all-to-all (each row
                      sequence, in its own       the rank that sent it)
                      blocks: rows between
                      neighbours
-shift_seq            S -> S shifted by k rows:  the inverse exchange (each row's gradient back to the
-                     k rows to each neighbour   rank that sent it)
+shift_seq            S -> S shifted by k rows:  reduce-scatter (each row's gradient back to the rank
+                     the k rows leaving each    that sent it)
+                     block all-gathered
 ===================  =========================  ======================================================
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import inspect
 import math
 
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.compat import c10d_functional
+from ulysses_compile.core.compat import (
+    _register_process_group,
+    _resolve_process_group,
+    _unregister_process_group,
+    c10d_functional,
+)
 from ulysses_compile.core.sharding import block_range, block_sizes
 from ulysses_compile.core.sizes import is_symbolic, size_arg
 
@@ -90,10 +98,70 @@ def _merge_seq(split: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
-    """This rank's sequence block of a whole tensor (no communication)."""
+    """This rank's sequence block of a whole tensor (no communication); a copy where ``rank`` is read
+    at run time (``rank_of_group``), as its start is then a tensor."""
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
-    start, size = block_range(split.shape[dim + 1], world_size, rank)
-    return _merge_seq(split.narrow(dim + 1, start, size), dim)
+    return _merge_seq(narrow_at(split, dim + 1, *block_range(split.shape[dim + 1], world_size, rank)), dim)
+
+
+def narrow_at(x: torch.Tensor, dim: int, start, size: int) -> torch.Tensor:
+    """``x.narrow(dim, start, size)`` for an int ``start``; a copy for a 0-dim tensor computed at run time."""
+    if isinstance(start, torch.Tensor):
+        return x.index_select(dim, torch.arange(size, device=x.device) + start)
+    return x.narrow(dim, start, size)
+
+
+def rank_of_group(group_name: str, device: torch.device) -> torch.Tensor:
+    """This process's rank in the group, read when the graph runs (a 0-dim int64 tensor on ``device``,
+    the graph's, filled there: no copy between devices), so that the graphs of the group's ranks, and
+    their compiled code, are one."""
+    return _group_rank_op()(group_name, device)
+
+
+@functools.cache
+def _group_rank_op():
+    """An op AOTAutograd and Inductor call rather than trace: the rank is not known when tracing."""
+
+    @torch.library.custom_op("ulysses_compile::group_rank", mutates_args=())
+    def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
+        return torch.full((), _resolve_process_group(group_name).rank(), dtype=torch.int64, device=device)
+
+    @group_rank.register_fake
+    def _(group_name, device):
+        return torch.empty((), dtype=torch.int64, device=device)
+
+    return group_rank
+
+
+def mesh_group_name(mesh, dim: str) -> str:
+    """A name under which every rank finds its own group along the mesh dim ``dim``, the same on every
+    rank (torch names each group of a mesh dim apart, so the ranks' collectives, and code, would differ).
+    A later mesh of the same layout takes the name over: its group along ``dim`` holds the same ranks, so
+    the graphs compiled before it meet alike."""
+    group = mesh.get_group(dim)
+    layout = f"{mesh.device_type} {mesh.mesh_dim_names} {mesh.mesh.tolist()}"
+    name = f"ulysses_{dim}_{hashlib.sha1(layout.encode()).hexdigest()[:12]}"
+    try:
+        if _resolve_process_group(name).group_name == group.group_name:
+            return name
+        _unregister_process_group(name)
+    except (RuntimeError, ValueError):  # not registered in this process yet (nor since the groups were destroyed)
+        pass
+    _register_process_group(name, group)
+    return name
+
+
+def rank_node(graph: fx.Graph, group_name: str) -> fx.Node:
+    """The graph's one ``rank = rank_of_group(group_name, device)``, after its placeholders, on the
+    device of its first tensor input."""
+    for node in graph.find_nodes(op="call_function", target=rank_of_group):
+        if node.args[0] == group_name:
+            return node
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    values = (node.meta.get("example_value", node.meta.get("val")) for node in placeholders)
+    device = next((value.device for value in values if isinstance(value, torch.Tensor)), torch.device("cpu"))
+    with graph.inserting_after(placeholders[-1]):
+        return graph.call_function(rank_of_group, (group_name, device), name="rank")
 
 
 def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size) -> torch.Tensor:
@@ -327,16 +395,20 @@ def _reshard_heads(xs: list, seq_dim: int, head_dim: int, seq_lengths: list, ran
             for x in _reshard(apart, seq_dim, head_dim + 1, seq_lengths, rank, world_size, group_name)]
 
 
-def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, kv_index: tuple[int, ...], rank: int,
-                    world_size: int, group_name: str):
-    """``[.., Hkv, .., S/P, ..]`` -> the whole sequence of the KV heads ``kv_index`` (one per query
-    head of this rank, in order): for fewer KV heads than ranks, or KV heads that do not split like the
+def gather_kv_heads(x, seq_dim: int, head_dim: int, seq_len: int, heads: int, rank, world_size: int, group_name: str):
+    """``[.., Hkv, .., S/P, ..]`` -> the whole sequence of the KV head of each of this rank's query heads
+    (of ``heads``), in order: for fewer KV heads than ranks, or KV heads that do not split like the
     query heads. Ranks sharing a KV head each hold part of its gradient, so the backward is the
     all-gather's: a reduce-scatter that sums them."""
     whole = gather_blocks(x, seq_dim, 1, 1, seq_len, world_size, group_name)
-    first = kv_index[0]
-    if list(kv_index) == list(range(first, first + len(kv_index))):
-        return whole.narrow(head_dim, first, len(kv_index))
+    first, count = block_range(heads, world_size, rank)
+    queries_per_kv = heads // x.shape[head_dim]
+    if isinstance(first, torch.Tensor):
+        index = (torch.arange(count, device=x.device) + first) // queries_per_kv
+        return whole.index_select(head_dim, index)
+    kv_index = [head // queries_per_kv for head in range(first, first + count)]
+    if kv_index == list(range(kv_index[0], kv_index[0] + count)):
+        return whole.narrow(head_dim, kv_index[0], count)
     return whole.index_select(head_dim, torch.tensor(kv_index, device=x.device))
 
 
@@ -355,28 +427,22 @@ def reblock_seq(x, dim: int, held: tuple, wanted: tuple, rank: int, world_size: 
     return torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
 
 
-def shift_seq(x, dim: int, shift: int, fill, rank: int, world_size: int, group_name: str):
+def shift_seq(x, dim: int, shift: int, fill, rank, world_size: int, group_name: str):
     """The rank's block of the sequence moved by ``shift`` rows, as ``F.pad(x, (.., shift, -shift))``
     (``fill``, a value or a whole tensor of ``shift`` rows, entering at the start, or at the end for a
-    negative shift) or ``torch.roll`` (``fill`` None: the rows leaving one end enter the other). Each rank sends the ``|shift|`` rows leaving its
-    block to the next rank in the shift's direction and receives as many: the exchange is cyclic, so no
-    rank sends or receives nothing, and the rank at the start keeps the rows it received (selected away
-    by ``where`` where ``fill`` replaces them), so its backward exchange waits on its gradients as every
-    other rank's does (an exchange empty on one rank could be scheduled apart there, and the ranks'
-    collectives would no longer match). Every rank reads ``fill`` through the same ``where`` for the
-    same reason: a fill computed from a parameter gets its gradient's all-reduce on every rank."""
+    negative shift) or ``torch.roll`` (``fill`` None: the rows leaving one end enter the other). The
+    ``|shift|`` rows leaving each block are all-gathered and each rank takes its neighbour's: a few rows
+    P times, and one collective the same on every rank whatever its place (an exchange that differs by
+    rank would make the ranks' code differ). Every rank reads ``fill`` through the same ``where``, the
+    rank at the start selecting it, so that a fill computed from parameters has one backward everywhere."""
     count, length = abs(shift), x.shape[dim]
     leaving = x.narrow(dim, length - count, count) if shift > 0 else x.narrow(dim, 0, count)
-    target = (rank + (1 if shift > 0 else -1)) % world_size
+    gathered = _all_gather_dim0(leaving.unsqueeze(0), world_size, group_name)
     source = (rank - (1 if shift > 0 else -1)) % world_size
-    rows = [*x.shape[:dim], count, *x.shape[dim + 1:]]
-    chunks = [[leaving if peer == target else leaving.narrow(dim, 0, 0)] for peer in range(world_size)]
-    shapes = [[rows if peer == source else [*rows[:dim], 0, *rows[dim + 1:]]] for peer in range(world_size)]
-    entering = torch.cat([piece for (piece,) in _all_to_all(chunks, shapes, group_name)], dim)
-    if fill is not None:  # on every rank, so that a fill computed from parameters has one backward everywhere
-        fills = rank == (0 if shift > 0 else world_size - 1)  # its block starts (ends) the sequence
-        entering = torch.where(torch.full((), not fills, dtype=torch.bool, device=x.device), entering,
-                               fill if isinstance(fill, torch.Tensor) else torch.full_like(entering, fill))
+    entering = narrow_at(gathered, 0, source, 1).squeeze(0)
+    if fill is not None:
+        keep = torch.as_tensor(rank != (0 if shift > 0 else world_size - 1), device=x.device)
+        entering = torch.where(keep, entering, fill if isinstance(fill, torch.Tensor) else torch.full_like(entering, fill))
     kept = x.narrow(dim, 0, length - count) if shift > 0 else x.narrow(dim, count, length - count)
     return torch.cat([entering, kept] if shift > 0 else [kept, entering], dim)
 
@@ -393,7 +459,8 @@ def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int
     reduce-scatter backward."""
     totals = local_cumsum.narrow(dim, local_cumsum.shape[dim] - 1, 1)
     gathered = _all_gather_dim0(totals.unsqueeze(0), world_size, group_name)
-    return local_cumsum + gathered[:rank].sum(0)
+    before = torch.arange(world_size, device=gathered.device) < rank
+    return local_cumsum + torch.where(before.view(-1, *[1] * totals.dim()), gathered, 0).sum(0)
 
 
 class _GatherParameter(torch.autograd.Function):
@@ -451,8 +518,9 @@ def gather_objects(obj, group) -> list:
 def insert_call(graph: fx.Graph, fn, args: tuple, *, before: fx.Node | None = None, after=None) -> fx.Node:
     """Create a call of one of this module's functions at a point; never among the placeholders.
     Arguments after the tensor are passed by keyword, so the graph code reads what each one is."""
-    if after is not None and after.op == "placeholder":
+    if after is not None and after.op == "placeholder":  # after the placeholders and the rank read
         after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        after = next(iter(graph.find_nodes(op="call_function", target=rank_of_group)), after)
     anchor = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
     names = list(inspect.signature(fn).parameters)[1:]
     with anchor:

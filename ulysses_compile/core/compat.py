@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
 from torch._inductor import list_mode_options
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols, statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.proxy import GraphAppendingTracer
@@ -54,7 +55,9 @@ __all__ = [
     "FakeTensorProp",
     "GraphAppendingTracer",
     "PythonReferenceAnalysis",
+    "_register_process_group",
     "_resolve_process_group",
+    "_unregister_process_group",
     "aot_autograd",
     "compile_fx",
     "list_mode_options",
@@ -94,6 +97,7 @@ __all__ = [
     "orig_code_map",
     "aliases_first_input",
     "min_cut_rematerialization_partition",
+    "copy_graph",
     "no_graph_cse",
     "run_and_get_code",
     "statically_known_true",
@@ -105,6 +109,7 @@ __all__ = [
     "tree_map",
 ]
 
+import copy  # noqa: E402
 import functools  # noqa: E402
 
 import torch  # noqa: E402
@@ -138,6 +143,16 @@ def process_group_timeout(group) -> str:
         return str(group._get_backend(torch.device("cpu")).options._timeout)
     except (RuntimeError, AttributeError):
         return "see init_process_group(timeout=...)"
+
+
+def copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
+    """A deep copy of a Dynamo graph whose placeholders keep the source Dynamo recorded on each (a
+    node attribute ``deepcopy`` drops, which AOTAutograd reads)."""
+    copied = copy.deepcopy(graph)
+    for node, copy_of_node in zip(graph.find_nodes(op="placeholder"), copied.find_nodes(op="placeholder")):
+        if hasattr(node, "_dynamo_source"):
+            copy_of_node._dynamo_source = node._dynamo_source
+    return copied
 
 
 def no_graph_cse():

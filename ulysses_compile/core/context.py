@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.boundary import own_blocks
+from ulysses_compile.core.collectives import rank_node
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.sharding import SHARDS, Placement, seq_shard
 
@@ -27,6 +28,14 @@ class PassContext:
     # its placement: this rank's block is there without a gather
     lazy_inputs: dict[fx.Node, Placement] = field(default_factory=dict)
 
+    def rank_for(self, graph: fx.Graph, *lengths) -> fx.Node | int:
+        """The rank as ``graph`` passes it to a call whose blocks are of ``lengths``: read at run time
+        where those are split in blocks of one size (the group's ranks then run one code), else this
+        rank's number, as its blocks' sizes, and so its code, differ from another rank's."""
+        if all(isinstance(length, int) and length % self.world_size == 0 for length in lengths):
+            return rank_node(graph, self.group_name)
+        return self.rank
+
     @staticmethod
     def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> frozenset[fx.Node]:
         """Parameters, buffers and ZeRO shards, told by Dynamo's name of their source, which is the same
@@ -41,13 +50,13 @@ class PassContext:
         return frozenset(found)
 
     @staticmethod
-    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group) -> dict[fx.Node, Placement]:
+    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group, group_name: str) -> dict[fx.Node, Placement]:
         """The placeholders whose value is a sequence-sharded output of a graph of this group, left
         lazily and not read yet, with their placement."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         found = {}
         for node, value in zip(placeholders, example_inputs):
-            factors = own_blocks(value, group.rank(), group.size(), group.group_name)
+            factors = own_blocks(value, group.rank(), group.size(), group_name)
             if factors is not None:
                 found[node] = seq_shard(*factors)
         return found

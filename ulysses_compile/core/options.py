@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ulysses_compile.core.collectives import mesh_group_name
 from ulysses_compile.core.errors import OptionsError
 
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -81,6 +82,13 @@ class Options:
                     f"option mesh has dims {names}; expected a dim named 'sp' for sequence "
                     f"parallelism, e.g. init_device_mesh('cpu', (P,), mesh_dim_names=('sp',))"
                 )
+            if "tp" in names:
+                raise OptionsError(
+                    f"option mesh has dims {names}: a 'tp' dim is not supported yet. Tensor parallelism splits "
+                    f"each attention's heads over its ranks first, and Ulysses would split those heads again over "
+                    f"the sequence ranks; pass the sub-mesh without it, e.g. mesh['dp', 'sp'], and leave the "
+                    f"model unsharded by tensor parallelism"
+                )
             if set(names) - {"sp", "dp"} or len(names) != len(set(names)):
                 raise OptionsError(
                     f"option mesh has dims {names}; expected ('sp',) or ('dp', 'sp'), e.g. "
@@ -92,6 +100,13 @@ class Options:
         if self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ()):
             return self.mesh.get_group("dp")
         return None
+
+    def group_name(self) -> str:
+        """The name the graphs pass the sequence-parallel group by: one name on every rank of a mesh."""
+        return mesh_group_name(self.mesh, "sp") if self.mesh is not None else self.process_group().group_name
+
+    def data_parallel_group_name(self) -> str:
+        return mesh_group_name(self.mesh, "dp")
 
     def process_group(self):
         """The sequence-parallel group, or None when torch.distributed is not initialized."""

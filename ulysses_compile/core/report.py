@@ -64,6 +64,9 @@ class GraphReport:
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     replicated_draws: list[str] = field(default_factory=list)  # random draws read whole: the ranks' generators must agree
     collectives: list[Collective] = field(default_factory=list)
+    # nodes whose code holds this rank's number (blocks of sizes that differ by rank): empty where the
+    # group's ranks run one code
+    rank_specific: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     captured: str = ""  # the graph's code as Dynamo captured it
     graphs: dict[str, str] = field(default_factory=dict)  # graph code after each pass
@@ -82,6 +85,10 @@ class GraphReport:
         lines += [f"sharded output: output {position} leaves sharded on dim {blocks.dim}" + (
                   f" as [{blocks.outer}, S, {blocks.inner}]" if (blocks.outer, blocks.inner) != (1, 1) else "")
                   for position, blocks in self.sharded_outputs.items()]
+        if self.rank_specific:
+            lines.append(f"rank-specific code: {len(self.rank_specific)} node(s) ({', '.join(self.rank_specific[:3])}"
+                         f"{' ...' if len(self.rank_specific) > 3 else ''}): blocks of sizes that differ by rank, so "
+                         f"the ranks' compiled code differs there")
         lines.append(f"fallbacks: {len(self.fallbacks)}")
         lines += [f"  {f}" for f in self.fallbacks]
         lines += [f"note: {note}" for note in self.notes]

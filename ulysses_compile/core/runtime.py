@@ -77,7 +77,7 @@ def repeat_heads(x, head_axis: int, repeat: int):
     return expanded.reshape(shape)
 
 
-def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank: int,
+def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank,
                   world_size: int):
     """Dropout of this rank's block with its part of one mask over the whole tensor, computing only the
     block's part: two seeds drawn from the generator (the same on every rank where the generators agree)
@@ -110,7 +110,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_heads_dropout(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                            scale: float | None = None, enable_gqa: bool = False, *, rank: int):
+                            scale: float | None = None, enable_gqa: bool = False, *, rank: torch.Tensor):
     """``scaled_dot_product_attention`` (the same parameters) with ``dropout_p`` over this rank's heads,
     their masks drawn independently of every other rank's heads: the kernel draws from the generator,
     which is in the same state on every rank, so heads split over the ranks would share masks. A seed
@@ -123,8 +123,8 @@ def attention_heads_dropout(query, key, value, attn_mask=None, dropout_p: float 
                                                              scale, enable_gqa, seed, rank)
 
 
-def _rank_seed(seed: torch.Tensor, rank: int) -> int:
-    return (int(seed) + 0x9E3779B97F4A7C15 * (rank + 1)) % 2**64  # the golden ratio's 64 bits: seeds far apart
+def _rank_seed(seed: torch.Tensor, rank: torch.Tensor) -> int:
+    return (int(seed) + 0x9E3779B97F4A7C15 * (int(rank) + 1)) % 2**64  # the golden ratio's 64 bits: seeds far apart
 
 
 def _seeded_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, rank):
@@ -160,7 +160,7 @@ def _attention_dropout_ops():
 
     @torch.library.custom_op("ulysses_compile::attention_heads_dropout", mutates_args=())
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-                is_causal: bool, scale: float | None, enable_gqa: bool, seed: torch.Tensor, rank: int) -> torch.Tensor:
+                is_causal: bool, scale: float | None, enable_gqa: bool, seed: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
         out, _ = _attention_for_gradients(q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa), seed, rank,
                                           mask_grad=False)
         return out.detach().contiguous()
@@ -172,7 +172,7 @@ def _attention_dropout_ops():
     @torch.library.custom_op("ulysses_compile::attention_heads_dropout_backward", mutates_args=())
     def backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None,
-                    enable_gqa: bool, seed: torch.Tensor, rank: int, mask_grad: bool
+                    enable_gqa: bool, seed: torch.Tensor, rank: torch.Tensor, mask_grad: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         out, inputs = _attention_for_gradients(q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa), seed,
                                                rank, mask_grad)
@@ -187,13 +187,13 @@ def _attention_dropout_ops():
 
     def save(ctx, inputs, output):
         q, k, v, attn_mask, *settings, seed, rank = inputs
-        ctx.save_for_backward(q, k, v, attn_mask, seed)
-        ctx.settings, ctx.rank = settings, rank
+        ctx.save_for_backward(q, k, v, attn_mask, seed, rank)
+        ctx.settings = settings
 
     def backward(ctx, grad):
-        q, k, v, attn_mask, seed = ctx.saved_tensors
+        q, k, v, attn_mask, seed, rank = ctx.saved_tensors
         mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-        grad_q, grad_k, grad_v, grad_mask = backward_op(grad, q, k, v, attn_mask, *ctx.settings, seed, ctx.rank,
+        grad_q, grad_k, grad_v, grad_mask = backward_op(grad, q, k, v, attn_mask, *ctx.settings, seed, rank,
                                                         mask_grad)
         return grad_q, grad_k, grad_v, grad_mask if mask_grad else None, None, None, None, None, None, None
 
@@ -212,6 +212,12 @@ def counted_tokens(target, ignore_index, weight):
 def summed_away(x, dim: int):
     """Sum over an empty dim: zeros of ``x``'s dtype, connected to ``x``."""
     return x.sum(dim).to(x.dtype)
+
+
+def owned_by(x, rank, owner: int):
+    """``x`` on rank ``owner``, zeros of its shape and dtype on the others, connected to it: the owner's
+    part of a sum, by one code on every rank."""
+    return torch.where(torch.as_tensor(rank == owner, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def zero_rows(x, dim: int, count: int):

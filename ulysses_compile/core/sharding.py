@@ -37,6 +37,8 @@ import torch.fx as fx
 from ulysses_compile.core.sizes import as_int
 
 _KEY = "ulysses_sharding"
+# The node.meta entry of a node whose code a rule chose by this rank's number (its blocks' sizes differ).
+RANK_SPECIFIC = "ulysses_rank_specific"
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,12 @@ def shard_rows(length: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(chunk, length - start)
 
 
-def block_range(length: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(start, size)`` of rank ``rank``'s block."""
+def block_range(length: int, world_size: int, rank) -> tuple:
+    """``(start, size)`` of rank ``rank``'s block. A ``rank`` read at run time (a tensor) gives a tensor
+    start; it is passed only where the blocks are of one size (``PassContext.rank_for``)."""
+    if isinstance(rank, torch.Tensor):
+        size = length // world_size
+        return rank * size, size
     sizes = block_sizes(length, world_size)
     return sum(sizes[:rank]), sizes[rank]
 

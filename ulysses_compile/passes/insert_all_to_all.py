@@ -10,9 +10,12 @@ After::
     q_h = qkv_h[0]                                      # [B, H/P, S, D]
     k_h = qkv_h[1]                                      # [B, Hkv/P, S, D]: GQA moves only the KV heads
     v_h = qkv_h[2]
-    mask_h = narrow(mask, 1, first_head, H/P)            # only when the mask has a head dim of size H
+    mask_h = take_block(mask, 1, 1, 1, rank, P)          # only when the mask has a head dim of size H
     out_h = scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask_h, is_causal=True)
     out = heads_to_seq(out_h, 2, 1, H, rank, P, group)  # [B, H, S/P, D]
+
+``rank`` is the graph's ``rank_of_group(group, device)``, read when it runs, where the lengths and
+heads split in blocks of one size; else this rank's number.
 
 Hand-written attention gets the same treatment around its head-parallel region: ``q`` into
 ``q @ k^T``, ``k`` into its transpose, ``v`` into ``probs @ v``, and ``heads_to_seq`` in place of the
@@ -45,7 +48,7 @@ import torch.fx as fx
 
 from ulysses_compile.core.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads, seq_to_heads_qkv
 from ulysses_compile.core.runtime import repeat_heads
-from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
+from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
 
 
 def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
@@ -56,7 +59,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             slot = site.slots["query"]
             query = slot.read()
             slot.write(_mark(insert_call(
-                graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, ctx.rank, ctx.world_size,
+                graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, _rank(graph, site, ctx), ctx.world_size,
                                       ctx.group_name, *site.merged_heads_args()), before=slot.consumer), site.heads_placement(),
                 query))
             for role in ("key", "value"):
@@ -64,7 +67,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
                 slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
         site.form.on_rank_heads(site, ctx)
         output = site.form.output(site)
-        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, ctx.rank,
+        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, _rank(graph, site, ctx),
                                                  ctx.world_size, ctx.group_name, *site.merged_heads_args()), after=output),
                      Shard(site.seq_axis), output)
         output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
@@ -89,7 +92,7 @@ def _fused_qkv(graph, site, ctx, replaced) -> bool:
         return False
     query, key, value = (node for node, _ in sent.values())
     fused = insert_call(graph, seq_to_heads_qkv, (query, key, value, site.seq_axis, site.head_axis, site.seq_len,
-                                                  site.kv_seq_len, ctx.rank, ctx.world_size, ctx.group_name,
+                                                  site.kv_seq_len, _rank(graph, site, ctx), ctx.world_size, ctx.group_name,
                                                   *site.merged_heads_args()), before=first)
     place(fused, NodeSharding((site.heads_placement(),) * 3,
                               tuple(sharding_of(node).global_value for node, _ in sent.values())))
@@ -126,19 +129,21 @@ def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node
     if repeated:
         replaced.append((kv, sent))
     if not site.kv_by_all_to_all(ctx.world_size):
-        first, count = block_range(site.heads, ctx.world_size, ctx.rank)
-        group = site.heads // site.kv_heads
-        kv_index = tuple(head // group for head in range(first, first + count))
-        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, kv_index,
-                                                     ctx.rank, ctx.world_size, ctx.group_name), before=before)
+        local = insert_call(graph, gather_kv_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, site.heads,
+                                                     _rank(graph, site, ctx), ctx.world_size, ctx.group_name),
+                            before=before)
         return place(local, NodeSharding(None, None))  # KV heads picked per query head: no placement
-    local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, ctx.rank,
+    local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, _rank(graph, site, ctx),
                                                     ctx.world_size, ctx.group_name, *site.merged_heads_args()), before=before),
                   site.heads_placement(), sent)
     if not repeated:
         return local
     return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=before),
                  site.heads_placement(), kv)
+
+
+def _rank(graph: fx.Graph, site, ctx):
+    return ctx.rank_for(graph, site.seq_len, site.kv_seq_len, site.heads)
 
 
 def _erase_unused_chain(graph, repeated: fx.Node, source: fx.Node) -> None:

@@ -17,8 +17,8 @@ The pipeline times each pass, keeps the graph code after each in the report, and
 
 from __future__ import annotations
 
-import copy
 import functools
+import inspect
 import logging
 import time
 from pathlib import Path
@@ -27,12 +27,19 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ulysses_compile.core.collectives import COLLECTIVES
-from ulysses_compile.core.compat import CHECKPOINTED_SIDE_EFFECTS, CompileContext, GuardOnDataDependentSymNode, first_line, trace_structured
+from ulysses_compile.core.compat import (
+    CHECKPOINTED_SIDE_EFFECTS,
+    CompileContext,
+    GuardOnDataDependentSymNode,
+    copy_graph,
+    first_line,
+    trace_structured,
+)
 from ulysses_compile.core.context import PassContext
 from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import Collective, GraphReport, module_path
-from ulysses_compile.core.sharding import is_sharded, sharding_of
+from ulysses_compile.core.sharding import RANK_SPECIFIC, is_sharded, sharding_of
 from ulysses_compile.passes.average_data_parallel_grads import average_data_parallel_grads
 from ulysses_compile.passes.check_local_shapes import check_local_shapes
 from ulysses_compile.passes.decompose_multi_head_attention import decompose_multi_head_attention
@@ -71,7 +78,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         if not detection.sites and ctx.checkpointed_side_effect_break:
             report.notes.append(_broken_checkpointed_region(ctx.checkpointed_side_effect_break))
             _warn_once(report.notes[-1])
-        unsplit = copy.deepcopy(gm.graph)
+        unsplit = copy_graph(gm.graph)
         try:
             report.replicated = _why_replicated(detection, ctx)
             if not report.replicated:
@@ -88,6 +95,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         _run(report, average_data_parallel_grads, gm, ctx)
         _run(report, regather_parameters, gm, ctx)
     report.collectives = _collectives(gm)
+    report.rank_specific = _rank_specific(gm)
     for fallback in report.fallbacks:
         log.info("ulysses_compile: fallback %s", fallback)
     _dump(report, ctx)
@@ -244,6 +252,27 @@ def _why_replicated(detection: Detection, ctx: PassContext) -> str:
     if short:
         return f"a sequence of {short[0]} positions is shorter than the {world_size} sequence-parallel ranks"
     return ""
+
+
+def _rank_specific(gm: fx.GraphModule) -> list[str]:
+    """The nodes whose code holds this rank's number: calls given it as their ``rank`` (not the rank
+    read at run time) and the indexing a rule split by rank (``RANK_SPECIFIC``)."""
+    found = []
+    for node in gm.graph.nodes:
+        signature = _takes_rank(node.target) if node.op == "call_function" else None
+        rank = signature.bind(*node.args, **node.kwargs).arguments["rank"] if signature else None
+        if isinstance(rank, int) or node.meta.get(RANK_SPECIFIC):
+            found.append(node.name)
+    return found
+
+
+@functools.cache
+def _takes_rank(target) -> inspect.Signature | None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin, or a torch op: no Python signature, no rank
+        return None
+    return signature if "rank" in signature.parameters else None
 
 
 def _collectives(gm: fx.GraphModule) -> list[Collective]:

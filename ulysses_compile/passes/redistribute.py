@@ -106,7 +106,7 @@ class _Redistributor:
                 return self.to(self.to(node, have, done, before, version), done, want, before, version)
             if isinstance(have, Partial):
                 return self._insert(reduce_partial, (node, ctx.group_name), node, done, before)
-            return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank, ctx.world_size,
+            return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank_for(node.graph), ctx.world_size,
                                                             ctx.group_name), node, done, before)
         if have == want or _same_blocks(have, want):
             return node
@@ -116,19 +116,22 @@ class _Redistributor:
         if self._all_to_all_ok(node, have, want):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
             length = sharding_of(node).global_value.shape[have.dim]
-            return self._insert(seq_to_heads, (node, have.dim, want.dim, length, ctx.rank, ctx.world_size,
+            rank = ctx.rank_for(node.graph, length, sharding_of(node).global_value.shape[want.dim])
+            return self._insert(seq_to_heads, (node, have.dim, want.dim, length, rank, ctx.world_size,
                                                ctx.group_name), node, want, before)
         if seq_factors(have) is not None:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
-            node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank, ctx.world_size,
+            node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank_for(node.graph, length), ctx.world_size,
                                              ctx.group_name), node, REPLICATE, before)
             have = REPLICATE
         if have == want:
             return node
         if isinstance(want, (Partial, PartialScan)):
             raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
-        return self._insert(scatter_seq, (node, *seq_factors(want), ctx.rank, ctx.world_size, ctx.group_name),
+        dim, outer, inner = seq_factors(want)
+        rank = ctx.rank_for(node.graph, sharding_of(node).global_value.shape[dim] // (outer * inner))
+        return self._insert(scatter_seq, (node, dim, outer, inner, rank, ctx.world_size, ctx.group_name),
                             node, want, before)
 
     def _all_to_all_ok(self, node, have, want) -> bool:

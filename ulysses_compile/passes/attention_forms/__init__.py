@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ulysses_compile.core.sharding import NodeSharding, Shard, block_range, place, sharding_of
+from ulysses_compile.core.collectives import take_block
+from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
+from ulysses_compile.core.sizes import is_symbolic
 from ulysses_compile.passes.attention_forms.site import AttentionSite, Slot, global_value_of, read_site, tensor_kinds, value_of
 
 __all__ = ["FORMS", "AttentionForm", "AttentionSite", "Slot", "global_value_of", "read_site", "reading_form", "value_of"]
@@ -60,12 +62,18 @@ def narrow_heads(slot: Slot, before: fx.Node, from_end: int, ctx) -> None:
         slot.write(rank_heads_of(whole, head_dim, before, ctx))
 
 
+_COPIED_HEADS_ELEMENTS = 2**16
+
+
 def rank_heads_of(whole: fx.Node, head_dim: int, before: fx.Node, ctx) -> fx.Node:
-    """``whole`` narrowed to this rank's block of ``head_dim``, computed just before ``before``."""
+    """``whole`` narrowed to this rank's block of ``head_dim``, computed just before ``before``. By the
+    rank read at run time where the value is small (ALiBi slopes, sinks): that takes a copy; a larger
+    one (a per-head mask or bias, S x S a head) is viewed by this rank's number."""
     value = sharding_of(whole).global_value
-    first, count = block_range(value.shape[head_dim], ctx.world_size, ctx.rank)
+    small = not is_symbolic(value.numel()) and value.numel() <= _COPIED_HEADS_ELEMENTS
+    rank = ctx.rank_for(before.graph, value.shape[head_dim]) if small else ctx.rank
     with before.graph.inserting_before(before):
-        narrowed = before.graph.call_method("narrow", (whole, head_dim, first, count))
+        narrowed = before.graph.call_function(take_block, (whole, head_dim, 1, 1, rank, ctx.world_size))
     return place(narrowed, NodeSharding(Shard(head_dim), value))
 
 

@@ -26,6 +26,7 @@ from ulysses_compile.passes.rules import Decision, register
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 _SCORE_MOD, _BLOCK_MASK = 3, 4  # argument positions
 _HEAD_ARGUMENT = {_SCORE_MOD: 2, _BLOCK_MASK: 1}  # (score, b, h, q, kv) and mask_mod's (b, h, q, kv)
+_BUFFERS = {_SCORE_MOD: 7, _BLOCK_MASK: 8}  # the tuples of the tensors each mod reads after those
 
 
 class FlexAttention(AttentionForm):
@@ -54,7 +55,8 @@ class FlexAttention(AttentionForm):
         for duplicate in results[1:]:  # each reads element 0 (``read``): one all-to-all back serves them all
             duplicate.replace_all_uses_with(results[0])
             node.graph.erase_node(duplicate)
-        first, _ = block_range(site.heads, ctx.world_size, ctx.rank)
+        rank = ctx.rank_for(node.graph, site.heads)
+        first = block_range(site.heads, ctx.world_size, rank)[0] if isinstance(rank, int) else None
         args = list(node.args)
         block_mask = list(args[_BLOCK_MASK])
         for index in _block_mask_tensors(node):
@@ -63,9 +65,12 @@ class FlexAttention(AttentionForm):
         args[_BLOCK_MASK] = tuple(block_mask)
         for index in (_SCORE_MOD, _BLOCK_MASK):
             mod = _mod_node(args, index)
-            if mod is not None and first and _head_reads(_mod(node, index), index):
+            if mod is not None and first != 0 and _head_reads(_mod(node, index), index):
+                first = _first_head(node, rank, site.heads // ctx.world_size) if first is None else first
                 offset = _offset_heads(mod, index, first)
                 args[index] = offset if index == _SCORE_MOD else (*args[_BLOCK_MASK][:-1], offset)
+                if isinstance(first, fx.Node):  # read by the mod as its last buffer
+                    args[_BUFFERS[index]] = (*args[_BUFFERS[index]], first)
         node.args = tuple(args)
         global_values = sharding_of(node).global_value
         place(node, NodeSharding(tuple(Shard(site.head_axis) for _ in global_values), global_values))
@@ -102,16 +107,29 @@ def _head_reads(mod: fx.GraphModule | None, index: int) -> bool:
     return len(inputs) > _HEAD_ARGUMENT[index] and bool(inputs[_HEAD_ARGUMENT[index]].users)
 
 
-def _offset_heads(mod_node: fx.Node, index: int, first: int) -> fx.Node:
-    """A copy of the mod whose head argument is offset by ``first``, fetched where ``mod_node`` is."""
+def _first_head(node: fx.Node, rank: fx.Node, heads_per_rank: int) -> fx.Node:
+    """The rank's first head, computed before ``node`` from the rank read at run time (on the graph's
+    device, as the mods' buffers are)."""
+    with node.graph.inserting_before(node):
+        return node.graph.call_function(operator.mul, (rank, heads_per_rank))
+
+
+def _offset_heads(mod_node: fx.Node, index: int, first) -> fx.Node:
+    """A copy of the mod whose head argument is offset by ``first``, fetched where ``mod_node`` is:
+    an int, or a tensor read at run time (the rank's first head), which the copy reads as a new last
+    buffer."""
     owner = mod_node.graph.owning_module
     offset = copy.deepcopy(getattr(owner, mod_node.target))
-    head = [arg for arg in offset.graph.nodes if arg.op == "placeholder"][_HEAD_ARGUMENT[index]]
-    with offset.graph.inserting_after(head):
+    placeholders = [arg for arg in offset.graph.nodes if arg.op == "placeholder"]
+    head = placeholders[_HEAD_ARGUMENT[index]]
+    if isinstance(first, fx.Node):
+        with offset.graph.inserting_after(placeholders[-1]):
+            first = offset.graph.placeholder("first_head")
+    with offset.graph.inserting_after(first if isinstance(first, fx.Node) else head):
         shifted = offset.graph.call_function(operator.add, (head, first))
     head.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
     offset.recompile()
-    name = f"{mod_node.target}_heads_from_{first}"
+    name = f"{mod_node.target}_heads_from_{first if isinstance(first, int) else 'rank'}"
     owner.register_module(name, offset)
     with mod_node.graph.inserting_after(mod_node):
         return mod_node.graph.get_attr(name)

@@ -48,7 +48,7 @@ class ScaledDotProductAttention(AttentionForm):
         super().on_rank_heads(site, ctx)
         if random_draw(site.node) is not None:
             site.node.target = attention_heads_dropout
-            site.node.kwargs = {**site.node.kwargs, "rank": ctx.rank}
+            site.node.kwargs = {**site.node.kwargs, "rank": ctx.rank_for(site.node.graph)}
 
 
 @register(*SDPA_TARGETS)

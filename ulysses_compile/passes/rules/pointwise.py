@@ -115,8 +115,9 @@ def _localize_dropout(node, sharding, ctx) -> None:
     args = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True})
     node.target = dropout_block
     shape = size_arg(node.graph, tuple(sharding.global_value.shape), before=node)
-    node.args = (args["input"], args["p"], args["training"], shape,
-                 *seq_factors(sharding.output), ctx.rank, ctx.world_size)
+    dim, outer, inner = seq_factors(sharding.output)
+    rank = ctx.rank_for(node.graph, sharding.global_value.shape[dim] // (outer * inner))
+    node.args = (args["input"], args["p"], args["training"], shape, dim, outer, inner, rank, ctx.world_size)
     node.kwargs = {}
 
 

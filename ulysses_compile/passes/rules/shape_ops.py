@@ -16,11 +16,19 @@ import torch.fx as fx
 
 from ulysses_compile.core.collectives import insert_call, reblock_seq, shift_seq
 from ulysses_compile.core.compat import statically_known_true
-from ulysses_compile.core.fx_graph import erase_unused, index_entries, insert_part, method_or_function_args, normalize_dim
+from ulysses_compile.core.fx_graph import (
+    erase_unused,
+    index_entries,
+    insert_part,
+    method_or_function_args,
+    mutated_arg,
+    normalize_dim,
+)
 from ulysses_compile.core.ops import CASTS, spellings
-from ulysses_compile.core.runtime import summed_away, zero_rows
+from ulysses_compile.core.runtime import owned_by, summed_away, zero_rows
 from ulysses_compile.core.sharding import (
     PARTIAL,
+    RANK_SPECIFIC,
     REPLICATE,
     NodeSharding,
     Shard,
@@ -411,7 +419,7 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
     if owners and stop > start:
         # Rows inside one rank's block (x[:, :1], x[:, -1:]): that rank's part of a sum, the others' zeros.
         localize = functools.partial(_localize_owned_rows, entries=entries, position=position, out_dim=out_dim,
-                                     owner=owners[0], rows=(start - held[owners[0]][0], stop - start))
+                                     owner=owners[0], rows=(start - held[owners[0]][0], stop - start), length=length)
         return Decision(PARTIAL, {source: placement}, localize)
     # Every rank sends and receives rows (an empty exchange would let the partitioner place it apart on
     # that rank): the slice spans every rank's block and is at least as long as there are ranks.
@@ -437,15 +445,13 @@ def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position,
     place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
 
 
-def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out_dim, owner, rows) -> None:
+def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out_dim, owner, rows, length) -> None:
     """``x[..., a:b, ...]`` inside the block of rank ``owner``: it takes its rows, the other ranks
     contribute zeros connected to ``x`` (so every rank's backward runs the same collectives)."""
     first, count = rows
     entries = list(entries)
-    entries[position] = slice(first, first + count) if ctx.rank == owner else slice(0, 0)
-    node.args = (node.args[0], tuple(entries))
-    if ctx.rank != owner:
-        _zeros_from_an_empty_slice(node, sharding, zero_rows, out_dim, count)
+    entries[position] = slice(first, first + count)
+    _owner_takes(node, sharding, ctx, entries, position, owner, length, zero_rows, out_dim, count)
 
 
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
@@ -457,10 +463,48 @@ def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_d
     starts = [block_range(length, ctx.world_size, rank)[0] for rank in range(ctx.world_size)]
     owner = max(rank for rank, start in enumerate(starts) if start <= index)
     entries = list(entries)
-    entries[position] = size_arg(node.graph, index - starts[owner], before=node) if ctx.rank == owner else slice(0, 0)
+    entries[position] = size_arg(node.graph, index - starts[owner], before=node)
+    _owner_takes(node, sharding, ctx, entries, position, owner, length, summed_away, out_dim)
+
+
+def _owner_takes(node: fx.Node, sharding, ctx, entries: list, position: int, owner: int, length: int, zeros,
+                 *args) -> None:
+    """``node`` indexing ``entries`` (at the owner's rows) on rank ``owner``, zeros connected to its source
+    elsewhere. Where the blocks are of one size every rank indexes its own block alike and keeps the result
+    where it is the owner (``owned_by``): one code on every rank. Otherwise, or where the result is written
+    in place (a view on the owner), the other ranks take an empty slice made ``zeros(empty, *args)``."""
+    rank = ctx.rank_for(node.graph, length)
+    if isinstance(rank, int) or _written_through(node):
+        if ctx.rank != owner:
+            entries[position] = slice(0, 0)
+        node.args = (node.args[0], tuple(entries))
+        node.meta[RANK_SPECIFIC] = True
+        if ctx.rank != owner:
+            _zeros_from_an_empty_slice(node, sharding, zeros, *args)
+        return
     node.args = (node.args[0], tuple(entries))
-    if ctx.rank != owner:
-        _zeros_from_an_empty_slice(node, sharding, summed_away, out_dim)
+    taken = insert_part(node, node.op, node.target, node.args, node.kwargs)
+    place(taken, NodeSharding(None, None, sharding.inputs))  # the rank's own rows: no global value
+    node.op, node.target, node.args, node.kwargs = "call_function", owned_by, (taken, rank, owner), {}
+    place(node, NodeSharding(sharding.output, sharding.global_value))
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an in-place op writes into the storage ``node`` views: through it, its source, or any
+    other view of that source."""
+    base = node
+    while isinstance(base.args[0] if base.args else None, fx.Node) and (
+            base.target in ALIASING or mutated_arg(base) is base.args[0]):
+        base = base.args[0]
+    aliases, pending = {base}, [base]
+    while pending:
+        for user in pending.pop().users:
+            if mutated_arg(user) in aliases:
+                return True
+            if user.target in ALIASING and user.args[0] in aliases and user not in aliases:
+                aliases.add(user)
+                pending.append(user)
+    return False
 
 
 def _zeros_from_an_empty_slice(node: fx.Node, sharding, zeros, *args) -> None:
@@ -620,7 +664,8 @@ def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_
 
 
 def _shift_call(node: fx.Node, ctx, source, dim, shift, fill) -> fx.Node:
-    return insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank, ctx.world_size, ctx.group_name),
+    return insert_call(node.graph, shift_seq, (source, dim, shift, fill, ctx.rank_for(node.graph), ctx.world_size,
+                                               ctx.group_name),
                        before=node)
 
 
