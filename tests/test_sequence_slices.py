@@ -66,11 +66,12 @@ class TokenShiftLM(_CausalLM):
     """x-transformers' ``shift_tokens``: channel chunks padded along the sequence by (k, -k) (one token
     back, and one forward), as RWKV's ``ZeroPad2d((0, 0, 1, -1))`` (one chunk's channels shifted as
     well); a roll of the positions (``x.roll``, the method); a shift spelled ``cat([start_token, y[:, :-1]])`` of a
-    shifted ``y``."""
+    shifted ``y``; a shift back spelled ``cat([x[:, 1:], end_token])``."""
 
     def __init__(self):
         super().__init__()
         self.start = nn.Parameter(torch.randn(1, 1, DIM))
+        self.end = nn.Parameter(torch.randn(1, 1, DIM))
 
     def forward(self, idx):
         x = self.embed(idx)
@@ -80,6 +81,7 @@ class TokenShiftLM(_CausalLM):
         back = F.pad(back, (1, -1, 1, -1))  # its channels shifted too, on each block
         x = torch.cat([back, F.pad(forward, (0, 0, -1, 1), value=0.5), rest], dim=-1)
         x = x + 0.1 * x.roll(2, dims=1)
+        x = x + 0.1 * torch.cat([x[:, 1:], self.end.expand(x.shape[0], 1, DIM)], dim=1)  # a learned end token
         x = self.attend(x)
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), idx.reshape(-1))
 
@@ -134,7 +136,7 @@ def test_the_smear_and_the_shifted_loss_run_sharded_with_no_gather(fake_group):
 
 def test_token_shifts_move_rows_between_neighbours_with_no_gather(fake_group):
     gm = _parallel_with_no_gather(fake_group, TokenShiftLM)
-    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, 1, 1, -1, 2]
+    assert [node.kwargs["shift"] for node in calls(gm, shift_seq)] == [1, 1, 1, -1, 2, -1]
     assert calls(gm, reblock_seq) == []  # the cat's slice x[:, :-1] is not computed
 
 

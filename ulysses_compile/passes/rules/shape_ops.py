@@ -613,24 +613,30 @@ def roll_rule(node, view):
                     functools.partial(_localize_shift, dim=dim, shift=shift, fill=None, sequence_pad=None))
 
 
-def _shift_by_cat(view, head, body, dim: int) -> Decision | None:
+def _shift_by_cat(view, first, second, dim: int) -> Decision | None:
     """``torch.cat([head, x[:, :-k]], dim=seq)``: x shifted by k tokens with a whole head of k rows in
-    front (a learned start token, zeros), as ``shift_seq`` with the head entering at the start. The
-    slice ``x[:, :-k]`` read only here is not computed."""
-    if view.sharded(head) is not None or view.sharded(body) is None or body.target is not operator.getitem \
+    front (a learned start token, zeros), or ``torch.cat([x[:, k:], tail], dim=seq)``: shifted back by k
+    with a whole tail of k rows at the end (next-token targets and their padding); as ``shift_seq`` with
+    the head entering at the start, or the tail at the end. The slice read only here is not computed."""
+    forward = view.sharded(first) is None
+    fill, body = (first, second) if forward else (second, first)
+    if view.sharded(fill) is not None or view.sharded(body) is None or body.target is not operator.getitem \
             or len(body.users) != 1 or not isinstance(body.args[0], fx.Node):
         return None
     source, entries = body.args[0], index_entries(body.args[1], view.value(body.args[0]).dim())
     factors, length = view.sharded(source), view.value(source).shape[dim]
-    shift = view.value(head).shape[dim] if dim < view.value(head).dim() else None
+    shift = view.value(fill).shape[dim] if dim < view.value(fill).dim() else None
     if factors is None or factors[1:] != (1, 1) or factors[0] != dim or len(entries) != view.value(source).dim() \
             or not isinstance(shift, int) or not _shift_fits(view, length, shift) \
-            or entries[dim] not in (slice(None, -shift), slice(0, -shift), slice(None, length - shift),
-                                    slice(0, length - shift)) \
             or any(entry != slice(None) for at, entry in enumerate(entries) if at != dim):
         return None
-    localize = functools.partial(_localize_cat_shift, source=source, head=head, body=body, dim=dim, shift=shift)
-    return Decision(view.placement(source), {head: REPLICATE, body: view.placement(body)}, localize)
+    kept = (slice(None, -shift), slice(0, -shift), slice(None, length - shift), slice(0, length - shift)) if forward \
+        else (slice(shift, None), slice(shift, length), slice(shift - length, None), slice(shift - length, length))
+    if entries[dim] not in kept:
+        return None
+    localize = functools.partial(_localize_cat_shift, source=source, head=fill, body=body, dim=dim,
+                                 shift=shift if forward else -shift)
+    return Decision(view.placement(source), {fill: REPLICATE, body: view.placement(body)}, localize)
 
 
 def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, body, dim, shift) -> None:
