@@ -127,7 +127,11 @@ def moe_equal_to_eager(rank, world_size, names):
             sites = [site for report in reports for site in report.attention_sites]
             assert len(sites) == 2 and all("parallelized" in site.decision for site in sites), sites
             kinds = [c.kind for report in reports for c in report.collectives]
-            assert kinds.count("seq_to_heads_qkv") == kinds.count("heads_to_seq") == 2, kinds
+            # per site: q, k and v to heads in one all-to-all, or past the KV heads (2 at P = 4) q in one
+            # and k and v each gathered for the rank's KV head; the output back in one
+            to_heads = {"seq_to_heads": 2, "gather_kv_heads": 4} if KV_HEADS[name] % world_size else \
+                {"seq_to_heads_qkv": 2}
+            assert {kind: kinds.count(kind) for kind in (*to_heads, "heads_to_seq")} == {**to_heads, "heads_to_seq": 2}, kinds
         else:
             _assert_token_local(reports, kv_gathered=KV_HEADS[name] % world_size != 0)
         got["loss"].backward()
