@@ -3,8 +3,10 @@
 Each function is an ordinary differentiable torch function built from torch's functional collectives
 (``_c10d_functional`` ops followed by ``wait_tensor``), so AOTAutograd traces it into the forward graph,
 derives its backward, and Inductor sees (and can reorder) real collective ops. Blocks follow
-``sharding.block_sizes``: balanced, uneven when P does not divide the dim. The backward of each
-placement change is chosen so that every rank ends up with single-device gradients:
+``sharding.block_sizes``: balanced, uneven when P does not divide the dim. ``rank`` is an int, or the
+0-dim tensor ``rank_of_group`` reads when the graph runs (blocks of one size only); ``mesh_group_name``
+gives a mesh dim's groups one name on every rank. The backward of each placement change is chosen so
+that every rank ends up with single-device gradients:
 
 ===================  =========================  ======================================================
 function             forward                    backward
@@ -274,12 +276,12 @@ def average_grad(x, group_name: str, group_size: int):
     return _ReduceGrad.apply(x, group_name, group_size)
 
 
-def scatter_seq(x, dim: int, outer: int, inner: int, rank: int, world_size: int, group_name: str):
+def scatter_seq(x, dim: int, outer: int, inner: int, rank, world_size: int, group_name: str):
     """Replicate -> this rank's sequence block (``Shard`` or ``MergedShard``)."""
     return _ScatterSeq.apply(x, dim, outer, inner, rank, world_size, group_name)
 
 
-def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank: int, world_size: int, group_name: str):
+def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank, world_size: int, group_name: str):
     """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
     return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
 
@@ -314,7 +316,7 @@ def _all_to_all(chunks: list[list[torch.Tensor]], received_shapes: list[list[lis
             for piece, numels, shapes in zip(pieces, received, received_shapes)]
 
 
-def _reshard(xs: list, from_dim: int, to_dim: int, from_lengths: list, rank: int, world_size: int,
+def _reshard(xs: list, from_dim: int, to_dim: int, from_lengths: list, rank, world_size: int,
              group_name: str) -> list[torch.Tensor]:
     """Each of ``xs`` holds this rank's block of ``from_dim`` (global size ``from_lengths[i]``) and all
     of ``to_dim``; each result holds all of ``from_dim`` and this rank's block of ``to_dim``, all by one
@@ -355,7 +357,7 @@ def _reshard_even(xs: list, from_dim: int, to_dim: int, world_size: int, group_n
     return results
 
 
-def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_size: int, group_name: str,
+def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank, world_size: int, group_name: str,
                  heads_outer: int = 1):
     """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence (of global length
     ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all.
@@ -364,7 +366,7 @@ def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank: int, world_
     return _reshard_heads([x], seq_dim, head_dim, [seq_len], rank, world_size, group_name, heads_outer)[0]
 
 
-def seq_to_heads_qkv(query, key, value, seq_dim: int, head_dim: int, seq_len: int, kv_seq_len: int, rank: int,
+def seq_to_heads_qkv(query, key, value, seq_dim: int, head_dim: int, seq_len: int, kv_seq_len: int, rank,
                      world_size: int, group_name: str, heads_outer: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`seq_to_heads` of an attention's query, key and value (of lengths ``seq_len``,
     ``kv_seq_len``) in one all-to-all: one buffer, one meeting of the ranks instead of three, the same
@@ -373,7 +375,7 @@ def seq_to_heads_qkv(query, key, value, seq_dim: int, head_dim: int, seq_len: in
                                 world_size, group_name, heads_outer))
 
 
-def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_size: int, group_name: str,
+def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank, world_size: int, group_name: str,
                  heads_outer: int = 1):
     """The inverse of :func:`seq_to_heads`: the same all-to-all with the two dims' roles swapped."""
     if heads_outer == 1:
@@ -384,7 +386,7 @@ def heads_to_seq(x, seq_dim: int, head_dim: int, heads: int, rank: int, world_si
         head_dim, head_dim + 1)
 
 
-def _reshard_heads(xs: list, seq_dim: int, head_dim: int, seq_lengths: list, rank: int, world_size: int,
+def _reshard_heads(xs: list, seq_dim: int, head_dim: int, seq_lengths: list, rank, world_size: int,
                    group_name: str, heads_outer: int) -> list[torch.Tensor]:
     """Sequence blocks to head blocks, the heads split within each of ``heads_outer`` groups."""
     if heads_outer == 1:
@@ -453,7 +455,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return start, max(min(a[0] + a[1], b[0] + b[1]) - start, 0)
 
 
-def add_previous_ranks_totals(local_cumsum, dim: int, rank: int, world_size: int, group_name: str):
+def add_previous_ranks_totals(local_cumsum, dim: int, rank, world_size: int, group_name: str):
     """A cumulative sum along the sharded sequence: this rank's local cumsum plus the totals of the
     ranks before it (their blocks come first). Gradients reach those ranks through the all-gather's
     reduce-scatter backward."""

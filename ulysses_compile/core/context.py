@@ -1,4 +1,6 @@
-"""What every pass receives and none changes: the group, this rank, the options, the parameters."""
+"""What every pass receives and none changes: the group (by one name on every rank), this rank's number
+(a graph holds it only where its blocks differ by rank; ``rank_for`` otherwise gives the rank read at run
+time), the options, the parameters."""
 
 from __future__ import annotations
 

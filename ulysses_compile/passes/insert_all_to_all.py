@@ -22,7 +22,8 @@ Hand-written attention gets the same treatment around its head-parallel region: 
 ``attention_output`` marker.
 
 What else changes in the call on the rank's heads is the site's form's (``on_rank_heads``): per-head
-inputs narrowed to the rank's heads, and SDPA with ``dropout_p > 0`` becomes
+inputs taken to the rank's heads (``take_block``; one over 65,536 elements by this rank's number, a
+view), and SDPA with ``dropout_p > 0`` becomes
 ``attention_heads_dropout(q_h, k_h, v_h, ..., rank=rank)``, the same kernel with its draws seeded apart
 on each rank, so heads on different ranks get independent masks (the kernel draws from the generator,
 alike on every rank).

@@ -9,7 +9,7 @@ Before (placements from propagate_sharding, local computations from localize_ops
 
 After::
 
-    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)      # a free local slice
+    input_ids_s = scatter_seq(input_ids, 1, 1, 1, rank, P, group)      # the rank's block, no communication
     emb = F.embedding(input_ids_s, wte_synced)                      # wte_synced = sync_grad(wte, group)
     logits = linear(h, sync_grad(w_out, group))
     loss = reduce_partial(loss_sum, group) / reduce_partial(count, group)

@@ -2,7 +2,9 @@
 
 A view keeps the sequence sharded when the sequence stays inside one output dim, possibly merged with
 neighbours (``[B, S, V] -> [B*S, V]`` gives ``MergedShard(0, outer=B, inner=1)``). Its shape argument
-is rewritten to the local shape. Slicing the sequence itself, or splitting it across dims, falls back.
+is rewritten to the local shape. Slices and shifts of the sequence stay sharded (``reblock_seq``,
+``shift_seq``; a position inside one rank's block is that rank's part of a sum); a step other than 1 or
+a split across dims falls back.
 """
 
 from __future__ import annotations
