@@ -99,17 +99,18 @@ def _input_check(gm: fx.GraphModule, ctx: PassContext, group, graph_name: str, e
 def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[PassContext, GraphReport]:
     """Run the passes on ``gm`` in place for this rank of ``group``; the report is also kept in
     ``gm.meta["ulysses_report"]``."""
+    group_name = opts.group_name()
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
-        group_name=opts.group_name(),
+        group_name=group_name,
         options=opts,
         parameters=PassContext.parameter_placeholders(gm, example_inputs),
         data_parallel=_data_parallel(opts),
         outputs_to_caller=returns_to_compile_caller(gm),
         graph_break=graph_break_reason(gm),
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
-        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group, opts.group_name()),
+        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group, group_name),
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

@@ -23,7 +23,6 @@ from ulysses_compile.core.fx_graph import (
     index_entries,
     insert_part,
     method_or_function_args,
-    mutated_arg,
     normalize_dim,
 )
 from ulysses_compile.core.ops import CASTS, spellings
@@ -473,48 +472,37 @@ def _owner_takes(node: fx.Node, sharding, ctx, entries: list, position: int, own
                  *args) -> None:
     """``node`` indexing ``entries`` (at the owner's rows) on rank ``owner``, zeros connected to its source
     elsewhere. Where the blocks are of one size every rank indexes its own block alike and keeps the result
-    where it is the owner (``owned_by``): one code on every rank. Otherwise, or where the result is written
-    in place (a view on the owner), the other ranks take an empty slice made ``zeros(empty, *args)``."""
+    where it is the owner (``owned_by``): one code on every rank. Otherwise, or where the source is written
+    in place (the owner's result must stay a view of it), the other ranks take an empty slice made
+    ``zeros(empty, *args)``."""
     rank = ctx.rank_for(node.graph, length)
-    if isinstance(rank, int) or _written_through(node):
-        if ctx.rank != owner:
-            entries[position] = slice(0, 0)
-        node.args = (node.args[0], tuple(entries))
-        node.meta[RANK_SPECIFIC] = True
-        if ctx.rank != owner:
-            _zeros_from_an_empty_slice(node, sharding, zeros, *args)
-        return
+    per_rank = isinstance(rank, int) or _written_in_place(node)
+    if per_rank and ctx.rank != owner:
+        entries[position] = slice(0, 0)
     node.args = (node.args[0], tuple(entries))
-    taken = insert_part(node, node.op, node.target, node.args, node.kwargs)
-    place(taken, NodeSharding(None, None, sharding.inputs))  # the rank's own rows: no global value
-    node.op, node.target, node.args, node.kwargs = "call_function", owned_by, (taken, rank, owner), {}
-    place(node, NodeSharding(sharding.output, sharding.global_value))
+    if not per_rank:
+        _call_on_part(node, sharding, owned_by, rank, owner)
+        return
+    node.meta[RANK_SPECIFIC] = True
+    if ctx.rank != owner:
+        _call_on_part(node, sharding, zeros, *args)
 
 
-def _written_through(node: fx.Node) -> bool:
-    """Whether an in-place op writes into the storage ``node`` views: through it, its source, or any
-    other view of that source."""
-    base = node
-    while isinstance(base.args[0] if base.args else None, fx.Node) and (
-            base.target in ALIASING or mutated_arg(base) is base.args[0]):
-        base = base.args[0]
-    aliases, pending = {base}, [base]
-    while pending:
-        for user in pending.pop().users:
-            if mutated_arg(user) in aliases:
-                return True
-            if user.target in ALIASING and user.args[0] in aliases and user not in aliases:
-                aliases.add(user)
-                pending.append(user)
-    return False
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an in-place op writes into the storage ``node`` views (``in_place_writes``' analysis)."""
+    # imported here: in_place_writes reads this module's ALIASING
+    from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
+
+    bases = alias_bases(node.graph)
+    return bases[node] in written_bases(node.graph, bases)
 
 
-def _zeros_from_an_empty_slice(node: fx.Node, sharding, zeros, *args) -> None:
-    """On a rank that holds none of what ``node`` (now an empty slice) reads: the slice kept as a part, and
-    ``node`` the zeros ``zeros(empty, *args)`` computes from it, connected to the source."""
-    empty = insert_part(node, node.op, node.target, node.args, node.kwargs)
-    place(empty, NodeSharding(None, None, sharding.inputs))  # a local empty slice: no global value
-    node.op, node.target, node.args, node.kwargs = "call_function", zeros, (empty, *args), {}
+def _call_on_part(node: fx.Node, sharding, fn, *args) -> None:
+    """``node``'s indexing kept as a part (the rank's own rows, or an empty slice: no global value), and
+    ``node`` the call ``fn(part, *args)`` connected to the source, in ``node``'s placement."""
+    part = insert_part(node, node.op, node.target, node.args, node.kwargs)
+    place(part, NodeSharding(None, None, sharding.inputs))
+    node.op, node.target, node.args, node.kwargs = "call_function", fn, (part, *args), {}
     place(node, NodeSharding(sharding.output, sharding.global_value))
 
 
