@@ -120,7 +120,7 @@ def test_explain_counts_every_run_of_a_graph_dynamo_reuses_for_each_layer():
 def test_explain_errors(fake_group):
     ids, labels = token_batch()
     with pytest.raises(DivisibilityError, match="4 query heads cannot be split over 8 sequence-parallel ranks"):
-        explain(tiny_llama(heads=4, kv_heads=4), input_ids=ids, world_size=8)
+        explain(tiny_llama(heads=4, kv_heads=4), input_ids=ids, world_size=8, options={"ring": 1})
     with pytest.raises(UlyssesError, match="world_size=1"):
         explain(tiny_llama(), input_ids=ids, world_size=1)
     fake_group(2)
@@ -290,3 +290,26 @@ def test_explain_lists_the_collectives_a_compiled_step_calls(zero_stage, compile
 
     explained = _explained_calls(zero_stage, layers=2, compiler=compiler)
     run_ranks(profiled_calls_match_explain, 2, zero_stage, 2, compiler, explained)
+
+
+def test_explain_shows_the_ring_plan_and_its_bytes_against_their_minimum(monkeypatch):
+    """2 heads at P = 4: Ulysses over pairs x a ring of 2; its sends are the minimum, the all-to-alls too.
+    Two "nodes" of 2 ranks (torchrun's LOCAL_WORLD_SIZE) with 4 heads: the same plan, for the nodes; with
+    one key/value head no pair splits them, so Ulysses spans the nodes, with the reason."""
+    ids, labels = token_batch(seq=32)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    report = explain(tiny_llama(heads=2, kv_heads=2, layers=2), world_size=4, **kwargs)
+    assert [(site.decision.split(",")[0]) for site in report.attention_sites] == [
+        "parallelized: Ulysses over 2 ranks (heads per rank 1"] * 2
+    rings = [call for call in report.collectives if call.kind == "ring"]
+    assert [call.phase for call in rings] == ["forward"] * 2 + ["backward"] * 2, rings
+    assert sum(call.bytes for call in rings) == report.ring_minimum_bytes > 0
+    assert report.all_to_all_bytes() == report.ulysses_minimum_bytes > 0
+    assert "ring 12,288 B sent against the minimum 12,288 B" in str(report)  # 2 x [2, 1, 16, 8] fp32 k, v: 2 layers x 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    report = explain(tiny_llama(heads=4, kv_heads=4, layers=1), world_size=4, **kwargs)
+    assert "x ring over 2 ranks, the largest group that splits 4 query / 4 key/value heads and fits 2 ranks per " \
+           "node" in report.attention_sites[0].decision
+    report = explain(tiny_llama(heads=4, kv_heads=1, layers=1), world_size=4, **kwargs)
+    assert "across nodes without a ring: no group on one node splits the key/value heads" in \
+           report.attention_sites[0].decision

@@ -39,14 +39,14 @@ def _dumped(folder: Path) -> dict[str, str]:
     return {str(path.relative_to(folder)): path.read_text() for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
-def one_program(rank, world_size, dump_dir, mesh_shape):
+def one_program(rank, world_size, dump_dir, mesh_shape, ring=None):
     """A Llama (4 query heads, 2 KV heads: at P = 4 each KV head serves two ranks) compiled with Inductor
     on every rank: the dumped graphs and Inductor's forward and backward code are compared across the
-    ranks, loss and gradients against eager."""
+    ranks, loss and gradients against eager. ``ring``: a ring of that many ranks, Ulysses over the rest."""
     model = tiny_llama(heads=4, kv_heads=2)
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=32)
-    options = {"compiler": "inductor", "dump_dir": dump_dir}
+    options = {"compiler": "inductor", "dump_dir": dump_dir, "ring": ring}
     if mesh_shape is not None:
         options["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "sp"))
     compiled = torch.compile(model, backend="ulysses", options=options)
@@ -57,13 +57,14 @@ def one_program(rank, world_size, dump_dir, mesh_shape):
 
     dumped = _dumped(Path(dump_dir) / f"rank{rank}")
     (final,) = [code for name, code in dumped.items() if name.endswith("_recompute_inserted_nodes.py")]
-    assert final.count("rank_of_group(") == 1, "expected one graph reading its rank once"
+    groups = 1 if ring is None else 2  # and the rank's place in its Ulysses group
+    assert final.count("rank_of_group(") == groups, "expected one graph reading its rank once in each group"
     # per layer: q, k, v to heads in one all-to-all, or at P = 4 (past the 2 KV heads) q in one and k and
     # v each gathered for the rank's KV head; the output back in one
-    to_heads = {"seq_to_heads_qkv": 1} if world_size // (mesh_shape or (1,))[0] == 2 else \
-        {"seq_to_heads": 1, "gather_kv_heads": 2}
-    for call, per_layer in {**to_heads, "heads_to_seq": 1}.items():
-        assert len(re.findall(rf"collectives_{call}\(", final)) == 2 * per_layer, call
+    ulysses = world_size // (mesh_shape or (1,))[0] // (ring or 1)
+    to_heads = {"seq_to_heads_qkv": 1} if ulysses == 2 else {"seq_to_heads": 1, "gather_kv_heads": 2}
+    for call, per_layer in {**to_heads, "heads_to_seq": 1, "ring_attention": int(ring is not None)}.items():
+        assert len(re.findall(rf"_{call}\(", final)) == 2 * per_layer, call
     assert not re.search(r"rank = \d", final)
     assert len(codes) == 2, "expected Inductor's forward and backward"
     every = gather_objects((dumped, codes), dist.group.WORLD)
@@ -73,10 +74,10 @@ def one_program(rank, world_size, dump_dir, mesh_shape):
         assert other_codes == codes, f"rank {other}'s Inductor code differs from rank {rank}'s"
 
 
-@pytest.mark.parametrize("world_size,mesh_shape", [(2, None), (4, None), (4, (2, 2))],
-                         ids=["P2", "P4", "dp2-sp2"])
-def test_every_rank_compiles_one_program(world_size, mesh_shape, tmp_path):
-    run_ranks(one_program, world_size, str(tmp_path), mesh_shape)
+@pytest.mark.parametrize("world_size,mesh_shape,ring", [(2, None, None), (4, None, None), (4, (2, 2), None),
+                                                        (4, None, 2)], ids=["P2", "P4", "dp2-sp2", "P4-ring2"])
+def test_every_rank_compiles_one_program(world_size, mesh_shape, ring, tmp_path):
+    run_ranks(one_program, world_size, str(tmp_path), mesh_shape, ring)
 
 
 def _compile_on_rank(rank: int, world_size: int, init) -> dict[str, int]:

@@ -391,6 +391,24 @@ def test_insert_all_to_all(fake_group):
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
 
+def test_insert_all_to_all_under_a_ring(fake_group):
+    """2 heads over 4 ranks: Ulysses within groups of 2 over their chunk of 16 positions, a ring of 2."""
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(SDPAttention(), (torch.randn(2, 16, DIM, generator=torch.Generator().manual_seed(0)),))
+    assert_expected_inline(_changes(gm.meta["ulysses_report"], "insert_all_to_all"), """\
++    rank_1 = ulysses_compile_core_collectives_rank_of_group('ulysses_heads2_1599362d420c', device(type='cpu'))
+-    scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal = True)
+-    transpose = scaled_dot_product_attention.transpose(1, 2)
++    seq_to_heads_qkv = ulysses_compile_core_collectives_seq_to_heads_qkv(q, key = k, value = v, seq_dim = 2, head_dim = 1, seq_len = 8, kv_seq_len = 8, rank = rank_1, world_size = 2, group_name = 'ulysses_heads2_1599362d420c')
++    getitem_3 = seq_to_heads_qkv[0]
++    getitem_4 = seq_to_heads_qkv[1]
++    getitem_5 = seq_to_heads_qkv[2]
++    scaled_dot_product_attention = ulysses_compile_core_ring_attention_ring_attention(getitem_3, getitem_4, getitem_5, attn_mask = None, is_causal = True, scale = None, group_name = 'ulysses_ring2_1599362d420c')
++    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = rank_1, world_size = 2, group_name = 'ulysses_heads2_1599362d420c')
++    transpose = heads_to_seq.transpose(1, 2)""")
+
+
 def test_localize_ops(fake_group):
     labels = torch.randint(0, DIM, (2, SEQ), generator=torch.Generator().manual_seed(1))
     _, report = _report(fake_group, TokenLoss(), _features(), labels)

@@ -166,17 +166,25 @@ def test_uneven_heads_split_two_two_one_one(fake_group, rank):
     assert gm.meta["ulysses_report"].fallbacks == []
 
 
-def test_more_ranks_than_heads_is_an_error_that_names_the_site(fake_group):
+def test_more_ranks_than_heads_where_no_ring_can_run_is_an_error_that_names_the_site(fake_group):
+    """2 heads over 4 ranks need a ring, which needs the sequence in blocks of one size: 30 positions are
+    not; with ring=1 the ring is ruled out."""
     fake_group(4)
-    ids, labels = token_batch(seq=32)
+    ids, labels = token_batch(seq=30)
     model = tiny_llama(heads=2, kv_heads=2, layers=1)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
         rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
     error = raised.value.inner_exception
     assert isinstance(error, DivisibilityError)
     message = str(error)
-    assert "model.layers.0.self_attn" in message and "2 query heads cannot be split over 4" in message
+    assert "model.layers.0.self_attn" in message and "2 query heads over 4 sequence-parallel ranks need a ring" in message
+    assert "sequence of 30 positions does not split in 4 blocks" in message
     assert "at most 2 ranks" in message and '"dp" dim' in message
+    torch.compiler.reset()
+    ids, labels = token_batch(seq=32)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="2 query heads cannot be split over 4 .* "
+                       "option ring=1 rules out a ring"):
+        rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False}, ring=1)
 
 
 @pytest.mark.parametrize("seq,rank,local", [(30, 0, 8), (30, 3, 7), (6, 1, 2), (6, 3, 1)])

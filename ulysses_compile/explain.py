@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ulysses_compile.backend import aot, reduce_scatter_bucket_mib, rewrite
 from ulysses_compile.core.boundary import leave_sharded
+from ulysses_compile.core.collectives import ring_rank
 from ulysses_compile.core.compat import (
     BackendCompilerFailed,
     FakeTensorMode,
@@ -50,6 +51,7 @@ from ulysses_compile.core.errors import UlyssesError
 from ulysses_compile.core.memory import GraphMemory, StepMemory
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.report import CollectiveCall, Report, SiteReport, module_path
+from ulysses_compile.core.ring_attention import ring_attention_ops
 from ulysses_compile.core.sharding import block_sizes, sharding_of
 from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
 from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
@@ -130,6 +132,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     for run in runs:
         report.attention_sites += run.sites
         report.ulysses_minimum_bytes += run.minimum_bytes
+        report.ring_minimum_bytes += run.ring_minimum_bytes
         report.collectives += run.collectives["forward"]
     for run in reversed(runs):  # the backward runs the graphs' programs in reverse
         report.collectives += run.collectives["backward"]
@@ -147,6 +150,7 @@ class _Explained:
 
     sites: list[SiteReport]
     minimum_bytes: int
+    ring_minimum_bytes: int
     collectives: dict[str, list[CollectiveCall]] = field(default_factory=lambda: {"forward": [], "backward": []})
     calls_under_inductor: Counter = field(default_factory=Counter)  # (phase, kind) -> calls once bucketed
     memory: GraphMemory | None = None
@@ -210,7 +214,9 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
     graph = _Explained(
         sites=[_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites],
         minimum_bytes=sum(_minimum_bytes(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites
-                          if split))
+                          if split),
+        ring_minimum_bytes=sum(_ring_minimum_bytes(site, ctx.rank)
+                               for site in graph_report.attention_sites if split))
     explained.append(graph)
     bucket_mib = reduce_scatter_bucket_mib(gm)
 
@@ -238,6 +244,8 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
 
 
 def _site_report(site, world_size: int, rank: int) -> SiteReport:
+    if site.ring > 1:
+        return _ring_site_report(site, world_size, rank)
     heads = block_sizes(site.heads, world_size)
     blocks = block_sizes(as_int(site.seq_len), world_size)
     even_blocks = all(same_size(block, blocks[0]) for block in blocks)  # no hashing: a block may be symbolic
@@ -256,6 +264,37 @@ def _site_report(site, world_size: int, rank: int) -> SiteReport:
     )
 
 
+def _ring_site_report(site, world_size: int, rank: int) -> SiteReport:
+    heads = block_sizes(site.heads, site.ulysses)
+    kv_heads = block_sizes(site.kv_heads, site.ulysses)
+    verdicts = [
+        f"heads {site.heads} on Ulysses groups of {site.ulysses}: "
+        + (f"{heads[0]} each" if len(set(heads)) == 1 else f"uneven blocks {','.join(map(str, heads))}"),
+        f"kv heads {site.kv_heads}: {kv_heads[rank % site.ulysses]} per rank, travelling round the ring un-repeated",
+        f"seq {site.seq_len}: {as_int(site.seq_len) // site.ring} per ring rank, "
+        f"{as_int(site.seq_len) // world_size} per rank outside attention",
+    ]
+    return SiteReport(
+        module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
+        kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
+        mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
+    )
+
+
+def _ring_minimum_bytes(site, rank: int) -> int:
+    """What this rank must receive round the ring of one site: (R - 1) / R of its Ulysses group's share
+    of the key/value heads over the key/value sequence, keys and values, forward; twice that backward
+    (keys and values again, and their gradients)."""
+    if site.ring == 1:
+        return 0
+    key = sharding_of(site.entering("key")).global_value
+    kv_seq = as_int(site.kv_seq_len)
+    batch = key.numel() // (key.shape[site.head_axis] * kv_seq * site.head_dim)
+    local_kv_heads = block_sizes(site.kv_heads, site.ulysses)[rank % site.ulysses]
+    forward = (site.ring - 1) * 2 * batch * local_kv_heads * (kv_seq // site.ring) * site.head_dim
+    return _at_call(3 * forward * key.element_size())
+
+
 def _minimum_bytes(site, world_size: int, rank: int) -> int:
     """What this rank puts into Ulysses' four all-to-alls of one site, forward and backward. Forward: q,
     k, v of its sequence block for all heads and the output of its heads for the whole sequence; the
@@ -265,6 +304,11 @@ def _minimum_bytes(site, world_size: int, rank: int) -> int:
     query = sharding_of(site.entering("query")).global_value
     seq, kv_seq = as_int(site.seq_len), as_int(site.kv_seq_len)
     batch = query.numel() // (site.heads * seq * site.head_dim)
+    if site.ring > 1:  # Ulysses within each group, over its chunk of the sequence
+        seq, kv_seq = seq // site.ring, kv_seq // site.ring
+        world_size, rank = site.ulysses, rank % site.ulysses
+        if world_size == 1:
+            return 0
     local_seq, local_kv_seq = block_sizes(seq, world_size)[rank], block_sizes(kv_seq, world_size)[rank]
     local_heads = block_sizes(site.heads, world_size)[rank]
     local_kv_heads = block_sizes(site.kv_heads, world_size)[rank]
@@ -276,6 +320,8 @@ def _minimum_bytes(site, world_size: int, rank: int) -> int:
 def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
     calls = []
     for node in graph.graph.nodes:
+        if node.target in ring_attention_ops():
+            calls.append(_ring_call(node, phase))
         kind = COLLECTIVE_OPS.get(node.target)
         if kind is None:
             continue
@@ -289,11 +335,28 @@ def _collective_calls(graph, phase: str) -> list[CollectiveCall]:
     return calls
 
 
+def _ring_call(node, phase: str) -> CollectiveCall:
+    """A ring attention op's sends on this rank: R - 1 rotations of its key and value blocks, and in the
+    backward R - 1 more and R - 1 of their gradients (accumulated in fp32 or wider)."""
+    forward = node.target is ring_attention_ops()[0]
+    key, value = (node.args[1], node.args[2]) if forward else (node.args[2], node.args[3])
+    group_name = node.args[-1]
+    _, ring = ring_rank(group_name)
+    key, value = key.meta["val"], value.meta["val"]
+    kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
+    accumulated = torch.promote_types(key.dtype, torch.float32).itemsize * (key.numel() + value.numel())
+    sent = (ring - 1) * (kv_bytes if forward else kv_bytes + accumulated)
+    return CollectiveCall(phase=phase, kind="ring", purpose="ring_attention", where=module_path(node),
+                          shape=tuple(as_int(size) for size in key.shape), dtype=str(key.dtype).removeprefix("torch."),
+                          bytes=_at_call(sent))
+
+
 def _calls_bucketed(program, phase: str, reduce_scatter_mib: float) -> Counter:
     """(phase, kind) -> the calls of ``program``'s collectives once Inductor buckets them
     (``backend.bucketing``)."""
     calls = Counter((phase, COLLECTIVE_OPS[node.target]) for node in program.graph.nodes
                     if node.target in COLLECTIVE_OPS)
+    calls[phase, "ring"] += sum(node.target in ring_attention_ops() for node in program.graph.nodes)
     for bucket in inductor_buckets(program, reduce_scatter_mib):
         calls[phase, COLLECTIVE_OPS[bucket[0].target]] -= len(bucket) - 1
     return calls

@@ -43,6 +43,7 @@ import functools
 import hashlib
 import inspect
 import math
+import os
 
 import torch
 import torch.fx as fx
@@ -52,7 +53,9 @@ from ulysses_compile.core.compat import (
     _resolve_process_group,
     _unregister_process_group,
     c10d_functional,
+    new_group_named,
 )
+from ulysses_compile.core.errors import InternalError
 from ulysses_compile.core.sharding import block_range, block_sizes
 from ulysses_compile.core.sizes import is_symbolic, size_arg
 
@@ -508,6 +511,77 @@ def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size:
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,
                heads_to_seq, gather_kv_heads, reblock_seq, shift_seq,
                add_previous_ranks_totals)
+
+
+def sequence_subgroups(group_name: str, ulysses: int) -> tuple[str | None, str]:
+    """The names of this rank's two subgroups of the group ``group_name`` under a plan of Ulysses over
+    ``ulysses`` ranks and a ring over the rest: its Ulysses group (the ``ulysses`` consecutive ranks
+    holding one contiguous chunk of the sequence; None for one rank) and its ring group (the ranks at
+    its own place in every Ulysses group, one per chunk). Created on first use by their members, under
+    names the same on every rank of the group (so the ranks' code is one, and the members meet)."""
+    parent = _resolve_process_group(group_name)
+    ranks = torch.distributed.get_process_group_ranks(parent)
+    row, column = divmod(parent.rank(), ulysses)
+    digest = hashlib.sha1(f"{group_name} {ulysses}".encode()).hexdigest()[:12]
+    names = []
+    for kind, members in (("heads", ranks[row * ulysses:(row + 1) * ulysses]), ("ring", ranks[column::ulysses])):
+        name = f"ulysses_{kind}{len(members)}_{digest}"
+        if len(members) == 1:
+            names.append(None)
+            continue
+        try:
+            found = torch.distributed.get_process_group_ranks(_resolve_process_group(name))
+        except (RuntimeError, ValueError):  # not made in this process yet (nor since the groups were destroyed)
+            # made under a name of its members (where they meet), found by the name common to every rank
+            _register_process_group(name, new_group_named(members, f"{name}_{'_'.join(map(str, members))}"))
+        else:
+            if found != members:
+                raise InternalError(f"process group {name} holds ranks {found}, expected {members}")
+        names.append(name)
+    return names[0], names[1]
+
+
+def ranks_per_node(group_name: str) -> int:
+    """The most consecutive ranks of the group that share a node wherever they start at a multiple of
+    it: a node holds the global ranks ``n * LOCAL_WORLD_SIZE ...`` (torchrun's numbering); without
+    torchrun's variable, the whole group."""
+    ranks = torch.distributed.get_process_group_ranks(_resolve_process_group(group_name))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if local <= 0:
+        return len(ranks)
+    return max(size for size in range(1, len(ranks) + 1) if len(ranks) % size == 0
+               and all(len({rank // local for rank in ranks[start:start + size]}) == 1
+                       for start in range(0, len(ranks), size)))
+
+
+def ring_rank(group_name: str) -> tuple[int, int]:
+    """``(this rank's position, the ring's size)`` in the ring group ``group_name``."""
+    group = _resolve_process_group(group_name)
+    return group.rank(), group.size()
+
+
+def ring_shift(tensors: list[torch.Tensor], group_name: str, tag: int):
+    """Send ``tensors`` to the next rank of the ring ``group_name`` and receive the previous rank's
+    (of the same shapes), started now; returns the function that waits for them and returns them.
+    Plain point-to-point sends: they run inside ring attention's ops, which AOTAutograd calls, not
+    traces. Shifts in flight at once carry different ``tag``s."""
+    group = _resolve_process_group(group_name)
+    rank, size = group.rank(), group.size()
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    operations = []
+    for sent, into in zip(tensors, received):
+        operations.append(torch.distributed.P2POp(torch.distributed.isend, sent.contiguous(),
+                                                  group=group, group_peer=(rank + 1) % size, tag=tag))
+        operations.append(torch.distributed.P2POp(torch.distributed.irecv, into, group=group,
+                                                  group_peer=(rank - 1) % size, tag=tag))
+    works = torch.distributed.batch_isend_irecv(operations)
+
+    def arrived() -> list[torch.Tensor]:
+        for work in works:
+            work.wait()
+        return received
+
+    return arrived
 
 
 def gather_objects(obj, group) -> list:

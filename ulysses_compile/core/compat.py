@@ -24,6 +24,7 @@ from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch._logging import trace_structured
 from torch._inductor import list_mode_options
+from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols, statically_known_true
@@ -45,6 +46,8 @@ __all__ = [
     "disabled_torch_function",
     "is_fake",
     "log_softmax_backward",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "native_nn_functions",
     "aten_overloads",
     "autograd_inside_an_op",
@@ -58,6 +61,7 @@ __all__ = [
     "_register_process_group",
     "_resolve_process_group",
     "_unregister_process_group",
+    "new_group_named",
     "aot_autograd",
     "compile_fx",
     "list_mode_options",
@@ -117,6 +121,9 @@ import torch  # noqa: E402
 c10d_functional = torch.ops._c10d_functional
 disabled_torch_function = torch._C._disabled_torch_function_impl
 log_softmax_backward = torch.ops.aten._log_softmax_backward_data
+# SDPA's flash kernel for CPU and its backward: the only CPU attention that returns the log-sum-exp
+flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 native_nn_functions = torch._C._nn  # where Dynamo records F.linear, F.gelu, ...
 
 
@@ -395,3 +402,20 @@ def live_bytes_peak(profile) -> int:
     totals = [event.extra_fields.total_allocated for event in walk(profile.profiler.kineto_results.experimental_event_tree())
               if event.tag == _EventType.Allocation]
     return max(totals, default=0)
+
+
+def new_group_named(ranks: list[int], name: str):
+    """A process group of the global ``ranks`` (this rank among them) under ``name``, created by its
+    members alone. torch's ``new_group(ranks, use_local_synchronization=True)`` names a group by its
+    ranks and the number of groups this process made before, which differs between ranks whose
+    histories differ (a group of some ranks only, made earlier), and members under different names
+    never meet; here the name, and so the store the members meet in, is the caller's, the same on
+    every member."""
+    default = distributed_c10d._get_default_group()
+    backend, store = distributed_c10d._world.pg_map[default]
+    group, _ = distributed_c10d._new_process_group_helper(
+        len(ranks), ranks.index(default.rank()), ranks, backend, store, name,
+        timeout=distributed_c10d._get_default_timeout(distributed_c10d.Backend(backend)),
+        device_id=default.bound_device_id)
+    distributed_c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
+    return group

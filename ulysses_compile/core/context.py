@@ -4,7 +4,7 @@ time), the options, the parameters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -12,7 +12,7 @@ import torch.fx as fx
 from ulysses_compile.core.boundary import own_blocks
 from ulysses_compile.core.collectives import rank_node
 from ulysses_compile.core.options import Options
-from ulysses_compile.core.sharding import SHARDS, Placement, seq_shard
+from ulysses_compile.core.sharding import SHARDS, Placement, RingShard, Shard, seq_shard
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,19 @@ class PassContext:
     # placeholders holding a graph's sequence-sharded output left lazily (``boundary.GatheredOnUse``) ->
     # its placement: this rank's block is there without a gather
     lazy_inputs: dict[fx.Node, Placement] = field(default_factory=dict)
+    # Inside an attention planned as Ulysses x ring: the ring's size, the group and the rank then being
+    # the rank's Ulysses group and its place in it (``within_ulysses``)
+    ring: int = 1
+
+    def within_ulysses(self, ulysses: int, group_name: str) -> "PassContext":
+        """The context of an attention whose heads split over this rank's Ulysses group of ``ulysses``
+        consecutive ranks (``group_name``), a ring running over the groups."""
+        return replace(self, world_size=ulysses, rank=self.rank % ulysses, group_name=group_name,
+                       ring=self.world_size // ulysses)
+
+    def heads_shard(self, dim: int) -> Placement:
+        """The placement of a whole-sequence value narrowed to this rank's heads along ``dim``."""
+        return Shard(dim) if self.ring == 1 else RingShard(dim, self.world_size)
 
     def rank_for(self, graph: fx.Graph, *lengths) -> fx.Node | int:
         """The rank as ``graph`` passes it to a call whose blocks are of ``lengths``: read at run time

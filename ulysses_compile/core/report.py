@@ -117,7 +117,7 @@ class SiteReport:
 @dataclass
 class CollectiveCall:
     phase: str  # "forward" or "backward"
-    kind: str  # all_to_all, all_gather, reduce_scatter, all_reduce
+    kind: str  # all_to_all, all_gather, reduce_scatter, all_reduce, ring (a ring attention's sends)
     purpose: str  # the ulysses_compile.core.collectives function it implements (seq_to_heads, sync_grad, ...)
     where: str  # the module it serves
     shape: tuple  # this rank's input
@@ -143,6 +143,7 @@ class Report:
     fallbacks: list[Fallback] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
     ulysses_minimum_bytes: int = 0  # the sites' q, k, v, output all-to-alls, forward and backward
+    ring_minimum_bytes: int = 0  # what the rank must receive round the rings of the sites planned with one
     memory: StepMemory | None = None  # the per-rank memory estimate of a training step
     # the index in ``graphs`` of each graph run, in order: a graph Dynamo reuses for every layer after a
     # graph break runs once per layer, and the sites, collectives and memory above count every run
@@ -180,6 +181,10 @@ class Report:
             lines.append(f"  all-to-all {self.all_to_all_bytes():,} B against the Ulysses minimum "
                          f"{self.ulysses_minimum_bytes:,} B (B x S/P x (2H + 2H_kv) x D per site and "
                          f"direction, at this rank's block sizes): {ratio:.2f}x")
+        ring_bytes = sum(call.bytes for call in self.collectives if call.kind == "ring")
+        if self.ring_minimum_bytes:
+            lines.append(f"  ring {ring_bytes:,} B sent against the minimum {self.ring_minimum_bytes:,} B ((R - 1) "
+                         f"key/value blocks forward, twice that backward): {ring_bytes / self.ring_minimum_bytes:.2f}x")
         lines.append(f"  {'phase':<8} {'kind':<14} {'purpose':<22} {'shape':<18} {'dtype':<8} {'bytes':>12}  where")
         lines += [f"  {call}" for call in self.collectives]
         lines.append(f"\nfallbacks: {len(self.fallbacks)}")

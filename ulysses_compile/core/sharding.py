@@ -13,6 +13,10 @@ order of its own (the local sort ``order``), which has no place in the global te
 An index tensor whose values are this rank's positions into another value is ``Positions(rows, into)``.
 No conversion exists for either; propagation only keeps them where the rows are put back in order.
 
+Inside an attention that runs as a ring (Ulysses over U ranks, a ring over P / U), q, k, v and the
+output are ``RingShard``: a block of the heads over the Ulysses group and a chunk of the sequence over
+the ring.
+
 These are the passes' own types, not DTensor's. DTensor's ``Shard(d)`` means ``torch.chunk``'s blocks
 (6 on 4 ranks: 2, 2, 2, 0); ours are balanced (2, 2, 1, 1), so no rank idles and none holds an empty
 block. DTensor is for what users and torch see: ZeRO's parameters and gradients (``zero.py``, chunk
@@ -111,6 +115,21 @@ class PermutedShard:
 
 
 @dataclass(frozen=True)
+class RingShard:
+    """Inside an attention planned as Ulysses over ``ulysses`` ranks and a ring over the others: rank
+    r = i * ulysses + u holds the u-th of ``ulysses`` balanced blocks of dim ``heads`` and, where ``seq``
+    is a dim, the i-th of P / ``ulysses`` blocks of dim ``seq`` (its Ulysses group's chunk of the
+    sequence)."""
+
+    heads: int
+    ulysses: int
+    seq: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RingShard(heads={self.heads}, ulysses={self.ulysses}, seq={self.seq})"
+
+
+@dataclass(frozen=True)
 class Positions:
     """An index tensor laid out as ``rows`` whose values are this rank's own positions along the
     sharded dim of a value laid out as ``into`` (a local sort's indices, or their inverse)."""
@@ -122,7 +141,7 @@ class Positions:
         return f"Positions(rows={self.rows!r}, into={self.into!r})"
 
 
-Placement = Union[Replicate, Shard, Partial, PartialScan, MergedShard, PermutedShard, Positions]
+Placement = Union[Replicate, Shard, Partial, PartialScan, MergedShard, PermutedShard, Positions, RingShard]
 # A node's output placement: one placement, None for a non-tensor value, or a tuple for tuple outputs.
 OutputPlacement = Union[Placement, None, tuple]
 
@@ -188,7 +207,7 @@ def is_rank_local(placement: OutputPlacement) -> bool:
     """True when ranks hold different values (sharded or partial), so gradients flowing back are too."""
     if isinstance(placement, tuple):
         return any(is_rank_local(p) for p in placement)
-    return is_sharded(placement) or isinstance(placement, (Partial, PartialScan, PermutedShard, Positions))
+    return is_sharded(placement) or isinstance(placement, (Partial, PartialScan, PermutedShard, Positions, RingShard))
 
 
 def is_permuted(placement: OutputPlacement) -> bool:
@@ -234,8 +253,15 @@ def local_shape(shape: torch.Size | tuple, placement: Placement, world_size: int
         placement = placement.rows
     if isinstance(placement, PermutedShard):
         placement = seq_shard(placement.dim, placement.outer, placement.inner)
-    factors = seq_factors(completed(placement))
     shape = tuple(shape)
+    if isinstance(placement, RingShard):
+        local = list(shape)
+        local[placement.heads] = block_range(shape[placement.heads], placement.ulysses, rank % placement.ulysses)[1]
+        if placement.seq is not None:
+            local[placement.seq] = block_range(shape[placement.seq], world_size // placement.ulysses,
+                                               rank // placement.ulysses)[1]
+        return tuple(local)
+    factors = seq_factors(completed(placement))
     if factors is None:
         return shape
     dim, outer, inner = factors
@@ -282,5 +308,7 @@ def describe(placement: OutputPlacement) -> str:
         return f"I[{describe(placement.rows)}->{describe(placement.into)}]"
     if isinstance(placement, PartialScan):
         return f"P+({placement.dim})"
+    if isinstance(placement, RingShard):
+        return f"S({placement.heads}/{placement.ulysses}" + (f", {placement.seq} ring)" if placement.seq is not None else ")")
     return "R"
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
+from ulysses_compile.core.collectives import ranks_per_node
 from ulysses_compile.core.compat import recompute_region
 from ulysses_compile.core.errors import DivisibilityError
 from ulysses_compile.core.report import module_path
@@ -52,30 +53,92 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
                 rejected.append(f"{module_path(node) or node.name}: {site}")
                 log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
-        _check_heads(site, ctx.world_size)
         pin_length_class(site.seq_len, ctx.world_size)
         pin_length_class(site.kv_seq_len, ctx.world_size)
-        site = replace(site, decision=_decision(site, ctx.world_size))
+        site = _planned(site, ctx)
         log.debug("ulysses_compile: attention %s", site.summary())
         sites.append(site)
     return Detection(sites, rejected)
 
 
+def _planned(site: AttentionSite, ctx) -> AttentionSite:
+    """The site with its plan (Ulysses over ``ulysses`` ranks, a ring over ``ring``) and the reason.
+
+    Ulysses over the whole group where the heads allow it and the group is on one node (or the option
+    ``ring=1``); else Ulysses over the largest groups of consecutive ranks that split the query heads
+    and the key/value heads alike (no key/value head is repeated round the ring) and share a node, and
+    a ring over the groups; ``ring=R`` sets the ring's size. Past a node only (as many heads as ranks),
+    a site that cannot run as a ring, or whose ring would be every rank, keeps Ulysses over the group."""
+    world_size, forced = ctx.world_size, ctx.options.ring
+    node = ranks_per_node(ctx.group_name)
+    if forced == 1 or forced is None and site.heads >= world_size and node == world_size:
+        _check_heads(site, world_size)
+        return replace(site, ulysses=world_size, decision=_decision(site, world_size))
+    where = f"attention {site.module or site.node.name} ({site.spelling})"
+    blocker = site.form.ring_blocker(site, world_size)
+    if forced is not None:
+        ulysses = world_size // forced
+        if blocker is not None:
+            raise DivisibilityError(f"{where}: option ring={forced}: this attention cannot run as a ring: {blocker}; "
+                                    f"leave ring unset (or 1) for Ulysses over the {world_size} ranks")
+        if world_size % forced or site.heads < ulysses or not site.kv_by_all_to_all(ulysses):
+            raise DivisibilityError(
+                f"{where}: option ring={forced} over {world_size} ranks leaves Ulysses groups of "
+                f"{world_size / forced:g} ranks, which must be a whole number that splits the {site.heads} query "
+                f"heads and the {site.kv_heads} key/value heads alike; choose a ring of "
+                f"{_ring_sizes(site, world_size)} ranks, or leave ring unset to plan it")
+        why = f"the option ring={forced}"
+    else:
+        ulysses = max(u for u in _divisors(world_size) if node % u == 0 and site.heads % u == 0
+                      and site.kv_by_all_to_all(u))
+        if site.heads >= world_size and (blocker is not None or ulysses == 1):
+            reason = blocker or "no group on one node splits the key/value heads, and a ring of every rank " \
+                                "leaves the causal work uneven"
+            return replace(site, ulysses=world_size,
+                           decision=f"{_decision(site, world_size)}; across nodes without a ring: {reason}")
+        if blocker is not None:
+            raise DivisibilityError(
+                f"{where}: {site.heads} query heads over {world_size} sequence-parallel ranks need a ring (Ulysses "
+                f"gives each rank at least one whole head), and this attention cannot run as one: {blocker}. Use "
+                f"at most {site.heads} ranks for sequence parallelism (with a mesh, put the others on a \"dp\" dim)")
+        limits = [f"{site.heads} query / {site.kv_heads} key/value heads"] + (
+            [f"{node} ranks per node"] if node < world_size else [])
+        why = f"the largest group that splits {' and fits '.join(limits)}"
+    ring = world_size // ulysses
+    heads = ",".join(str(size) for size in block_sizes(site.heads, ulysses))
+    return replace(site, ulysses=ulysses, ring=ring, decision=(
+        f"parallelized: Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks, {why}"
+        f"{_checkpointed(site)}"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ring_sizes(site: AttentionSite, world_size: int) -> str:
+    return " or ".join(str(world_size // u) for u in _divisors(world_size)
+                       if u <= site.heads and site.kv_by_all_to_all(u))
+
+
 def _decision(site: AttentionSite, world_size: int) -> str:
     heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
     kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
-    checkpointed = ", in a checkpointed region (recomputed in the backward)" if recompute_region(site.node) is not None else ""
-    return f"parallelized: heads per rank {heads}, key/value {kv}{checkpointed}"
+    return f"parallelized: heads per rank {heads}, key/value {kv}{_checkpointed(site)}"
+
+
+def _checkpointed(site: AttentionSite) -> str:
+    return ", in a checkpointed region (recomputed in the backward)" if recompute_region(site.node) is not None else ""
 
 
 def _check_heads(site: AttentionSite, world_size: int) -> None:
     """Heads and sequences split over the ranks in balanced blocks, so any count works as long as every
-    rank gets a head; key/value heads that do not split like the query heads are gathered."""
+    rank gets a head (reached only with the option ``ring=1``: otherwise a ring takes the rest);
+    key/value heads that do not split like the query heads are gathered."""
     where = f"attention {site.module or site.node.name} ({site.spelling})"
     if site.heads < world_size:
         raise DivisibilityError(
             f"{where}: {site.heads} query heads cannot be split over {world_size} sequence-parallel ranks; "
-            f"Ulysses gives each rank at least one whole head. Use at most {site.heads} ranks for sequence "
-            f"parallelism (with a mesh, put the other ranks on a \"dp\" dim), or a model with at least "
-            f"{world_size} heads"
+            f"Ulysses gives each rank at least one whole head, and the option ring=1 rules out a ring over "
+            f"the others. Leave ring unset (a ring is then planned), or use at most {site.heads} ranks for "
+            f"sequence parallelism (with a mesh, put the other ranks on a \"dp\" dim)"
         )

@@ -1,4 +1,5 @@
-"""Turn each attention site's sequence sharding into head sharding and back.
+"""Turn each attention site's sequence sharding into head sharding and back (and, for a site planned
+with a ring, its call into ring attention).
 
 Before (q, k, v are ``[B, H, S/P, D]`` on each rank after redistribution)::
 
@@ -38,16 +39,38 @@ heads use (``gather_kv_heads``). A repeat of KV heads written in the model (HF
 ``repeat_kv``) is redone after the communication, so repeated heads are never sent. The backward of
 each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
 
-Pinned on a small model: ``tests/test_pass_goldens.py::test_insert_all_to_all``.
+A site planned with a ring (``detect_attention``: more ranks than heads, or ranks on several nodes) has
+its heads split over Ulysses groups of U consecutive ranks, each holding a contiguous chunk S/R of the
+sequence, and its keys and values travel round a ring of the R ranks at one place in every group
+(``sequence_subgroups``). At 4 ranks and 2 heads (U = 2, R = 2)::
+
+    rank_u = rank_of_group(heads_group, device)
+    qkv_h = seq_to_heads_qkv(q, k, v, 2, 1, S/R, S/R, rank_u, U, heads_group)  # [B, H/U, S/R, D]
+    out_h = ring_attention(qkv_h[0], qkv_h[1], qkv_h[2], attn_mask=mask, is_causal=True, group_name=ring_group)
+    out = heads_to_seq(out_h, 2, 1, H, rank_u, U, heads_group)             # [B, H, S/P, D]
+
+Key/value heads the model repeats travel un-repeated (the ring's kernel broadcasts them); with U = 1
+nothing is exchanged by all-to-all and the ring runs on the sequence blocks as they are.
+
+Pinned on small models: ``tests/test_pass_goldens.py::test_insert_all_to_all`` and
+``test_insert_all_to_all_under_a_ring``.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch.fx as fx
 
-from ulysses_compile.core.collectives import gather_kv_heads, heads_to_seq, insert_call, seq_to_heads, seq_to_heads_qkv
+from ulysses_compile.core.collectives import (
+    gather_kv_heads,
+    heads_to_seq,
+    insert_call,
+    seq_to_heads,
+    seq_to_heads_qkv,
+    sequence_subgroups,
+)
 from ulysses_compile.core.runtime import repeat_heads
 from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
 
@@ -55,30 +78,57 @@ from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_o
 def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
     graph = gm.graph
     for site in sites:
-        replaced: list[tuple[fx.Node, fx.Node]] = []
-        if not _fused_qkv(graph, site, ctx, replaced):
-            slot = site.slots["query"]
-            query = slot.read()
-            slot.write(_mark(insert_call(
-                graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, _rank(graph, site, ctx), ctx.world_size,
-                                      ctx.group_name, *site.merged_heads_args()), before=slot.consumer), site.heads_placement(),
-                query))
-            for role in ("key", "value"):
-                slot = site.slots[role]
-                slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
-        site.form.on_rank_heads(site, ctx)
-        output = site.form.output(site)
-        back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, _rank(graph, site, ctx),
-                                                 ctx.world_size, ctx.group_name, *site.merged_heads_args()), after=output),
-                     Shard(site.seq_axis), output)
-        output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-        if site.output_marker is not None:
-            site.output_marker.replace_all_uses_with(back)
-            graph.erase_node(site.output_marker)
-        else:
-            _mark(output, site.heads_placement(), output)
-        for repeated, source in replaced:
-            _erase_unused_chain(graph, repeated, source)
+        if site.ring == 1:
+            _to_heads_and_back(graph, site, ctx)
+            continue
+        ulysses_group, ring_group = sequence_subgroups(ctx.group_name, site.ulysses)
+        if site.ulysses == 1:
+            _ring_only(graph, site)
+        else:  # each Ulysses group exchanges its chunk of the sequence
+            _to_heads_and_back(graph, replace(site, seq_len=site.seq_len // site.ring,
+                                              kv_seq_len=site.kv_seq_len // site.ring),
+                               ctx.within_ulysses(site.ulysses, ulysses_group))
+        site.form.to_ring(site, ring_group)
+
+
+def _to_heads_and_back(graph: fx.Graph, site, ctx) -> None:
+    """q, k, v to the rank's heads over the whole sequence (under a ring: its Ulysses group's chunk),
+    the call rewritten for them, its output back to the sequence."""
+    replaced: list[tuple[fx.Node, fx.Node]] = []
+    if not _fused_qkv(graph, site, ctx, replaced):
+        slot = site.slots["query"]
+        query = slot.read()
+        slot.write(_mark(insert_call(
+            graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, _rank(graph, site, ctx), ctx.world_size,
+                                  ctx.group_name, *site.merged_heads_args()), before=slot.consumer), site.heads_placement(),
+            query))
+        for role in ("key", "value"):
+            slot = site.slots[role]
+            slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
+    site.form.on_rank_heads(site, ctx)
+    output = site.form.output(site)
+    back = _mark(insert_call(graph, heads_to_seq, (output, site.seq_axis, site.head_axis, site.heads, _rank(graph, site, ctx),
+                                             ctx.world_size, ctx.group_name, *site.merged_heads_args()), after=output),
+                 Shard(site.seq_axis), output)
+    output.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    if site.output_marker is not None:
+        site.output_marker.replace_all_uses_with(back)
+        graph.erase_node(site.output_marker)
+    else:
+        _mark(output, site.heads_placement(), output)
+    for repeated, source in replaced:
+        _erase_unused_chain(graph, repeated, source)
+
+
+def _ring_only(graph: fx.Graph, site) -> None:
+    """A ring over every rank: q, k, v stay in their sequence blocks, key/value un-repeated where the
+    model repeats their heads (the ring's kernel broadcasts them)."""
+    for role in ("key", "value"):
+        sent, repeated = _sent(site, role)
+        if repeated:
+            repeat = site.slots[role].read()
+            site.slots[role].write(sent)
+            _erase_unused_chain(graph, repeat, sent)
 
 
 def _fused_qkv(graph, site, ctx, replaced) -> bool:
@@ -103,8 +153,9 @@ def _fused_qkv(graph, site, ctx, replaced) -> bool:
         if repeated:
             kv = site.slots[role].read()
             replaced.append((kv, node))
-            local = _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=first),
-                          site.heads_placement(), kv)
+            if site.ring == 1:
+                local = _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=first),
+                              site.heads_placement(), kv)
         site.slots[role].write(local)
     return True
 
@@ -137,7 +188,7 @@ def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node
     local = _mark(insert_call(graph, seq_to_heads, (sent, site.seq_axis, site.head_axis, site.kv_seq_len, _rank(graph, site, ctx),
                                                     ctx.world_size, ctx.group_name, *site.merged_heads_args()), before=before),
                   site.heads_placement(), sent)
-    if not repeated:
+    if not repeated or site.ring > 1:  # a ring's kernel broadcasts key/value heads
         return local
     return _mark(insert_call(graph, repeat_heads, (local, site.head_axis, site.kv_repeat), before=before),
                  site.heads_placement(), kv)

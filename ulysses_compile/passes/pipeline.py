@@ -39,6 +39,7 @@ from ulysses_compile.core.context import PassContext
 from ulysses_compile.core.fx_graph import mutated_arg
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import Collective, GraphReport, module_path
+from ulysses_compile.core.ring_attention import ring_attention
 from ulysses_compile.core.sharding import RANK_SPECIFIC, is_sharded, sharding_of
 from ulysses_compile.passes.average_data_parallel_grads import average_data_parallel_grads
 from ulysses_compile.passes.check_local_shapes import check_local_shapes
@@ -278,7 +279,7 @@ def _takes_rank(target) -> inspect.Signature | None:
 def _collectives(gm: fx.GraphModule) -> list[Collective]:
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in COLLECTIVES:
+        if node.op == "call_function" and (node.target in COLLECTIVES or node.target is ring_attention):
             meta = node.args[0].meta  # a replicated graph has Dynamo's example values only
             value = meta.get("val", meta.get("example_value"))
             found.append(Collective(node.target.__name__, node.name, tuple(value.shape), str(value.dtype)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ulysses_compile.core.collectives import take_block
-from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
+from ulysses_compile.core.sharding import NodeSharding, place, sharding_of
 from ulysses_compile.core.sizes import is_symbolic
 from ulysses_compile.passes.attention_forms.site import AttentionSite, Slot, global_value_of, read_site, tensor_kinds, value_of
 
@@ -42,6 +42,14 @@ class AttentionForm:
     def output(self, site: AttentionSite) -> fx.Node:
         """The node holding the attention's result on the rank's heads."""
         return site.node
+
+    def ring_blocker(self, site: AttentionSite, world_size: int) -> str | None:
+        """Why the site cannot run as a ring over ``world_size`` ranks' blocks of the sequence, or None."""
+        return f"ring attention runs scaled_dot_product_attention calls so far, not {site.spelling}"
+
+    def to_ring(self, site: AttentionSite, group_name: str) -> None:
+        """Turn the call on the rank's heads into ring attention round the ring ``group_name``."""
+        raise NotImplementedError
 
     def on_rank_heads(self, site: AttentionSite, ctx) -> None:
         """Rewrite the call for q, k, v that hold this rank's heads: per-head inputs narrowed to them."""
@@ -74,7 +82,7 @@ def rank_heads_of(whole: fx.Node, head_dim: int, before: fx.Node, ctx) -> fx.Nod
     rank = ctx.rank_for(before.graph, value.shape[head_dim]) if small else ctx.rank
     with before.graph.inserting_before(before):
         narrowed = before.graph.call_function(take_block, (whole, head_dim, 1, 1, rank, ctx.world_size))
-    return place(narrowed, NodeSharding(Shard(head_dim), value))
+    return place(narrowed, NodeSharding(ctx.heads_shard(head_dim), value))
 
 
 FORMS: list[AttentionForm] = []

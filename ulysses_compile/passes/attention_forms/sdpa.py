@@ -10,9 +10,11 @@ import torch.fx as fx
 
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import module_path
+from ulysses_compile.core.ring_attention import ring_attention
 from ulysses_compile.core.runtime import attention_heads_dropout
 from ulysses_compile.core.sharding import REPLICATE, Shard
-from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, read_site, value_of
+from ulysses_compile.core.sizes import same_size, symbolic_hint
+from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, global_value_of, read_site, value_of
 from ulysses_compile.passes.rules import Decision, register
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -43,6 +45,26 @@ class ScaledDotProductAttention(AttentionForm):
                 slots[name] = Slot(node, name)
         return read_site(node, self, "scaled_dot_product_attention", module_path(node), slots,
                          is_causal=bool(args.get("is_causal", False)))
+
+    def ring_blocker(self, site, world_size):
+        if random_draw(site.node) is not None:
+            return "its dropout (dropout_p > 0) is not drawn per block of a ring"
+        if site.is_causal and not same_size(site.seq_len, site.kv_seq_len):
+            return "is_causal over a query and a key/value of different lengths"
+        mask = site.entering("attn_mask") if "attn_mask" in site.slots else None
+        if isinstance(mask, fx.Node) and global_value_of(mask).requires_grad:
+            return "its mask requires grad (a ring computes no mask gradient)"
+        for length in (site.seq_len, site.kv_seq_len):
+            if (length if isinstance(length, int) else symbolic_hint(length)) % world_size:
+                return f"its sequence of {length} positions does not split in {world_size} blocks of one size"
+        return None
+
+    def to_ring(self, site, group_name):
+        args = sdpa_arguments(site.node)
+        site.node.target = ring_attention
+        site.node.args = (args["query"], args["key"], args["value"])
+        site.node.kwargs = {"attn_mask": args.get("attn_mask"), "is_causal": bool(args.get("is_causal", False)),
+                            "scale": args.get("scale"), "group_name": group_name}
 
     def on_rank_heads(self, site, ctx) -> None:
         super().on_rank_heads(site, ctx)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.errors import UnsupportedError
-from ulysses_compile.core.sharding import seq_shard, sharding_of
+from ulysses_compile.core.sharding import RingShard, seq_shard, sharding_of
 from ulysses_compile.core.sizes import is_symbolic, same_size
 
 if TYPE_CHECKING:
@@ -70,6 +70,10 @@ class AttentionSite:
     # ``[B, H, S, S]`` between the products (Bloom): each batch's heads split over the ranks.
     heads_outer: int = 1
 
+    # The plan: heads split over Ulysses groups of ``ulysses`` ranks, key/value blocks travelling round
+    # a ring of ``ring`` ranks (``ring`` 1: Ulysses over the whole group)
+    ulysses: int = 1
+    ring: int = 1
     decision: str = ""  # what the rewrite does at this world size
 
     def merged_heads_args(self) -> tuple:
@@ -78,8 +82,12 @@ class AttentionSite:
         return (self.heads_outer,) if self.heads_outer > 1 else ()
 
     def heads_placement(self, axis: int | None = None):
-        """This rank's heads along ``axis`` (default: q's head dim), within each batch when merged."""
-        return seq_shard(self.head_axis if axis is None else axis, outer=self.heads_outer)
+        """This rank's heads along ``axis`` (default: q's head dim), within each batch when merged; under
+        a ring, with its chunk of the sequence."""
+        axis = self.head_axis if axis is None else axis
+        if self.ring > 1:
+            return RingShard(axis, self.ulysses, self.seq_axis)
+        return seq_shard(axis, outer=self.heads_outer)
 
     def entering(self, role: str) -> fx.Node:
         """The value that enters the site as ``role`` ("query", "key", "value", "attn_mask", ...)."""

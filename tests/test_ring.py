@@ -1,0 +1,283 @@
+"""Ulysses x ring attention on real gloo ranks against eager.
+
+The op alone against whole-sequence SDPA (outputs and q, k, v gradients, causal or not, masks,
+grouped-query heads, bf16, the count of its rotations); then models whose plan has a ring, chosen by
+the planner (more ranks than heads, ranks on two nodes) or by the option ``ring``: loss, outputs and
+every parameter gradient equal to eager's, and parallel (each site's plan, its all-to-alls within the
+Ulysses groups and its ring asserted): attention forms with masks, cross-attention and shared
+key/value heads, a Llama at P = 8, AdamW steps under ZeRO-3 with checkpointing, bf16 autocast, and
+two torchrun "nodes" on this machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_forms import FORMS, outputs_of
+from graphs import reporting_backend
+from models import tiny_llama, token_batch
+from multirank import TIMEOUT_S, assert_close, compare_model, free_port, run_ranks
+
+CASES = {
+    "causal": dict(is_causal=True),
+    "none": dict(),
+    "additive per-head mask": dict(mask="additive"),
+    "bool mask": dict(mask="bool"),
+    "grouped-query causal": dict(is_causal=True, kv_heads=2),
+    "cross-attention": dict(kv_len=24),
+    "scale": dict(is_causal=True, scale=0.3),
+}
+
+
+def _inputs(heads=4, kv_heads=4, length=16, kv_len=None, mask=None, dtype=torch.float64, **_):
+    generator = torch.Generator().manual_seed(0)
+    kv_len = kv_len or length
+    q = torch.randn(2, heads, length, 8, generator=generator, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, kv_len, 8, generator=generator, dtype=dtype) for _ in range(2))
+    grad = torch.randn(2, heads, length, 8, generator=generator, dtype=dtype)
+    attn_mask = None
+    if mask == "additive":
+        attn_mask = torch.randn(1, heads, length, kv_len, generator=generator, dtype=dtype)
+    elif mask == "bool":
+        attn_mask = torch.rand(length, kv_len, generator=generator) > 0.3
+        attn_mask[:, 0] = True  # every row sees a key
+    return q, k, v, grad, attn_mask
+
+
+def _check_ring(rank, world_size, case, dtype, explicit, counts):
+    from ulysses_compile.core import collectives, ring_attention as ring_module
+    from ulysses_compile.core.collectives import sequence_subgroups
+
+    settings = CASES[case]
+    q, k, v, grad, mask = _inputs(dtype=dtype, **settings)
+    options = dict(is_causal=settings.get("is_causal", False), scale=settings.get("scale"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True, **options)
+    want.backward(grad)
+
+    _, ring = sequence_subgroups(torch.distributed.group.WORLD.group_name, 1)
+    shifts = []
+    shift, uses_kernel = collectives.ring_shift, ring_module._uses_kernel
+
+    def counted_shift(tensors, group_name, tag):
+        shifts.append(tag)
+        return shift(tensors, group_name, tag)
+
+    ring_module.ring_shift = counted_shift
+    if explicit:
+        ring_module._uses_kernel = lambda q, v, mask: False
+    try:
+        def block(t):
+            return t.chunk(world_size, dim=2)[rank].detach().clone().requires_grad_()
+        mine = [block(t) for t in (q, k, v)]
+        got = ring_module.ring_attention(*mine, mask, group_name=ring, **options)
+        got.backward(grad.chunk(world_size, dim=2)[rank])
+    finally:
+        ring_module.ring_shift = shift
+        ring_module._uses_kernel = uses_kernel
+    rtol = 1e-4 if dtype != torch.bfloat16 else 2e-2
+    assert_close(f"rank {rank} out", got, want.chunk(world_size, dim=2)[rank], rtol)
+    for name, got_grad, leaf in zip("qkv", mine, leaves):
+        assert_close(f"rank {rank} d{name}", got_grad.grad, leaf.grad.chunk(world_size, dim=2)[rank], rtol)
+    if counts:
+        # forward: R - 1 key/value rotations; backward: R - 1 of key/value and R - 1 of their gradients
+        assert shifts.count(0) == 2 * (world_size - 1) and shifts.count(1) == world_size - 1, shifts
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_attention_matches_sdpa_on_four_ranks(case):
+    run_ranks(_check_ring, 4, case, torch.float64, False, case == "causal")
+
+
+def test_ring_attention_on_two_ranks_in_fp32_and_bf16():
+    run_ranks(_check_ring, 2, "grouped-query causal", torch.float32, False, True)
+    run_ranks(_check_ring, 2, "causal", torch.bfloat16, False, False)
+
+
+@pytest.mark.parametrize("case", ["causal", "additive per-head mask", "grouped-query causal"])
+def test_ring_attention_explicit_blocks_match_the_kernel(case):
+    """The fp32 computation used off CPU, run here on CPU."""
+    run_ranks(_check_ring, 2, case, torch.float64, True, False)
+
+
+def _plan_and_collectives(reports, world_size: int, ring: int) -> None:
+    """Every site planned Ulysses over P / ring ranks x a ring of ``ring``; per site one ring attention,
+    and, where the Ulysses groups have more than one rank, q, k, v to heads and the output back within
+    them; no sequence gathered."""
+    sites = [site for report in reports for site in report.attention_sites]
+    assert sites and all((site.ulysses, site.ring) == (world_size // ring, ring) for site in sites), \
+        [site.summary() for site in sites]
+    kinds = [call.kind for report in reports for call in report.collectives]
+    assert kinds.count("ring_attention") == len(sites), kinds
+    to_heads = kinds.count("seq_to_heads_qkv") + kinds.count("seq_to_heads")
+    if ring < world_size:
+        assert to_heads >= len(sites) and kinds.count("heads_to_seq") == len(sites), kinds
+    else:
+        assert to_heads == kinds.count("heads_to_seq") == 0, kinds
+    assert "gather_seq" not in kinds and "gather_kv_heads" not in kinds, kinds
+
+
+# form -> the ring at P = 4: Ulysses over 2 ranks where the key/value heads split in 2, else a ring alone
+RING_FORMS = {
+    "sdpa_gqa_bool_mask": 2,
+    "sdpa_per_head_bias_6_heads": 2,
+    "nn_transformer_cross_attention": 2,
+    "nn_mha_key_padding": 4,
+    "llama_mqa": 4,
+    "llama_6_heads_gqa_3": 4,
+}
+
+
+def ring_forms_equal_to_eager(rank, world_size, names):
+    for name in names:
+        model, args, kwargs = FORMS[name]()
+        reference = copy.deepcopy(model)
+        torch.compiler.reset()
+        reports = []
+        compiled = torch.compile(model, backend=reporting_backend(reports, ring=RING_FORMS[name]))
+        got = outputs_of(compiled(*args, **kwargs))
+        want = outputs_of(reference(*args, **kwargs))
+        _plan_and_collectives(reports, world_size, RING_FORMS[name])
+        got["loss"].backward()
+        want["loss"].backward()
+        compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
+
+
+@pytest.mark.multirank
+def test_attention_forms_under_a_ring_equal_to_eager():
+    run_ranks(ring_forms_equal_to_eager, 4, sorted(RING_FORMS))
+
+
+def llama_planned_equal_to_eager(rank, world_size, heads, kv_heads, ring, padded, compiler):
+    """A Llama with more ranks than heads: the planner's ring, exact, with a left-padded batch."""
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=2)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=64)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    if padded:
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :5] = 0
+        labels[attention_mask == 0] = -100
+        kwargs["attention_mask"] = attention_mask
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports, compiler=compiler))(**kwargs)
+    _plan_and_collectives(reports, world_size, ring)
+    assert all(not report.rank_specific for report in reports), "one program for every rank"
+    got.loss.backward()
+    want = reference(**kwargs)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size,heads,kv_heads,ring,padded,compiler", [
+    pytest.param(4, 2, 2, 2, True, "inductor", id="P4-2-heads-U2xR2-padded-inductor"),
+    pytest.param(8, 4, 2, 4, False, "aot_eager", id="P8-4-heads-2-kv-U2xR4"),
+    pytest.param(8, 4, 4, 2, True, "aot_eager", id="P8-4-heads-U4xR2-padded", marks=pytest.mark.slow),
+])
+def test_more_ranks_than_heads_plan_a_ring_equal_to_eager(world_size, heads, kv_heads, ring, padded, compiler):
+    run_ranks(llama_planned_equal_to_eager, world_size, heads, kv_heads, ring, padded, compiler)
+
+
+def ring_training_equals_eager(rank, world_size):
+    """Three AdamW steps of a 2-head Llama under ZeRO-3 with gradient checkpointing at P = 4 (a ring of
+    2 planned): the loss at every step and every parameter after them against eager's."""
+    from ulysses_compile import full_state_dict
+    from ulysses_compile.zero import compile_partitioned
+
+    model = tiny_llama(heads=2, kv_heads=2, layers=2)
+    reference = copy.deepcopy(model)
+    for each in (model, reference):
+        each.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reports = []
+    compiled = compile_partitioned(model, reporting_backend(reports), zero_stage=3, group=None, mesh=None,
+                                   param_dtype=None, reduce_dtype=None, options={})  # parallelize's, reporting
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        ids, labels = token_batch(seq=32, seed=step + 1)
+        losses = []
+        for each, opt in ((compiled, optimizer), (reference, reference_optimizer)):
+            opt.zero_grad()
+            loss = each(input_ids=ids, labels=labels, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        assert_close(f"rank {rank} step {step} loss", *losses)
+    _plan_and_collectives(reports, world_size, 2)
+    full, want = full_state_dict(compiled), reference.state_dict()
+    for name, tensor in want.items():
+        assert_close(f"rank {rank} {name} after 3 steps", full[name], tensor)
+
+
+@pytest.mark.multirank
+def test_ring_training_with_zero_3_and_checkpointing_equals_eager():
+    run_ranks(ring_training_equals_eager, 4)
+
+
+BF16_RTOL = 3e-2
+
+
+def ring_under_autocast(rank, world_size):
+    """bf16 autocast with a ring of every rank: blocks in bf16, merged in fp32; loss and gradients
+    against eager under the same autocast, within bf16 tolerances."""
+    model = tiny_llama(heads=2, kv_heads=1, layers=1)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=32)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports, ring=world_size))
+    results = []
+    for each in (compiled, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = each(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        results.append(loss)
+    _plan_and_collectives(reports, world_size, world_size)
+    assert_close(f"rank {rank} bf16 loss", *results, rtol=BF16_RTOL)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert_close(f"rank {rank} bf16 grad {name}", got.grad, want.grad, rtol=BF16_RTOL)
+
+
+@pytest.mark.multirank
+def test_ring_under_bf16_autocast_matches_eager():
+    run_ranks(ring_under_autocast, 2)
+
+
+@pytest.mark.multirank
+def test_two_nodes_put_ulysses_inside_each_node_and_the_ring_across():
+    """Two torchrun "nodes" of 2 ranks on this machine (c10d rendezvous), a 4-head Llama: Ulysses
+    within each node, the ring across them, exact (the script asserts it on every rank)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=ring-test", "tests/two_nodes.py"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for node in (0, 1)]
+    outputs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(output[-4000:] for output in outputs)
+    assert outputs[0].count("Ulysses over 2 ranks") >= 1 and "exact on rank 0" in outputs[0], outputs[0][-2000:]
+
+
+def test_a_ring_option_that_fits_no_plan_is_an_error_naming_the_rings_that_do(fake_group):
+    from graphs import rewritten_graphs
+    from ulysses_compile import DivisibilityError, OptionsError
+    from ulysses_compile.core.options import Options
+
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        rewritten_graphs(tiny_llama(heads=4, kv_heads=1, layers=1), (), kwargs, ring=2)
+    assert isinstance(raised.value.inner_exception, DivisibilityError)
+    assert "option ring=2 over 4 ranks" in str(raised.value.inner_exception)
+    assert "choose a ring of 4 ranks" in str(raised.value.inner_exception)
+    for bad in (0, 1.5, True):
+        with pytest.raises(OptionsError, match="option ring="):
+            Options.parse({"ring": bad})
