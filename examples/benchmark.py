@@ -267,6 +267,12 @@ def on_ranks(config: str, measure: str, world_size: int, seq_len: int, steps: in
         os.environ.pop(MMAP_THRESHOLD_ENV, None)
         if previous is not None:
             os.environ[MMAP_THRESHOLD_ENV] = previous
+    return worst_rank(results, ranks)
+
+
+def worst_rank(results, ranks: int) -> dict:
+    """The figures ``ranks`` ranks put in ``results`` as rank 0's, with the slowest time and the largest
+    memory of any rank."""
     per_rank = [figures for _, figures in sorted(results.get() for _ in range(ranks))]
     worst = dict(per_rank[0])
     for name in ("seconds", "peak_bytes"):

@@ -11,8 +11,10 @@ all-to-all and round the ring against their minimum (``explain``'s accounting, a
 slowest rank's step time. At P = 4 on 2 cores the ranks share the cores, so the time measures
 oversubscription as much as the plan; memory and bytes are the figures that carry over.
 
-USP (``yunchang``) is not in the table: its ring and Ulysses layers call flash-attn's CUDA kernels (or
-their Triton ports), none of which runs on a CPU.
+USP (``yunchang`` 0.6.4) is not in the table: it does not train on a CPU. Its ring over torch's
+attention ("basic" with ``AttnType.TORCH_MATH``) has no backward ("Not implemented backward for PyTorch
+attention types"), and its torch ring ("basic_pytorch") calls ``aten._scaled_dot_product_flash_attention``,
+which has no CPU kernel; its other kernels are flash-attn's, FlashInfer's or NPU's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchmark import build_model, free_port, measured, threads_per_rank, token_ids, training_step
+from benchmark import build_model, free_port, measured, threads_per_rank, token_ids, training_step, worst_rank
 from zero_memory import MMAP_THRESHOLD, MMAP_THRESHOLD_ENV
 
 
@@ -55,12 +57,7 @@ def on_ranks(ring, world_size: int, seq_len: int, steps: int, measure: str) -> d
                            nprocs=ranks, start_method="spawn")
     finally:
         os.environ.pop(MMAP_THRESHOLD_ENV, None)
-    per_rank = [figures for _, figures in sorted(results.get() for _ in range(ranks))]
-    worst = dict(per_rank[0])
-    for name in ("seconds", "peak_bytes"):
-        if name in worst:
-            worst[name] = max(figures[name] for figures in per_rank)
-    return worst
+    return worst_rank(results, ranks)
 
 
 def communication(ring: int, world_size: int, seq_len: int) -> dict:
@@ -70,7 +67,7 @@ def communication(ring: int, world_size: int, seq_len: int) -> dict:
     report = explain(build_model(seq_len), input_ids=ids, labels=ids, use_cache=False, world_size=world_size,
                      options={"ring": ring})
     ring_bytes = sum(call.bytes for call in report.collectives if call.kind == "ring")
-    plans = {site.decision.split(",")[0].removeprefix("parallelized: ") for site in report.attention_sites}
+    plans = {f"Ulysses {site.ulysses} x ring {site.ring}" for graph in report.graphs for site in graph.attention_sites}
     return {"plan": "; ".join(sorted(plans)), "all_to_all": report.all_to_all_bytes(),
             "all_to_all_minimum": report.ulysses_minimum_bytes, "ring": ring_bytes,
             "ring_minimum": report.ring_minimum_bytes}
@@ -87,14 +84,14 @@ def main() -> None:
     one = on_ranks(None, world_size, args.seq_len, args.steps, "memory")
     print(f"P = {world_size}, S = {args.seq_len}: one process peaks {one['peak_bytes'] / 2**20:.1f} MiB a step, "
           f"loss {one['loss']:.6f}\n")
-    print(f"{'ring':>4}  {'plan':<44} {'loss':>10} {'peak MiB':>9} {'of one':>7} {'all-to-all B':>13} "
+    print(f"{'ring':>4}  {'plan':<22} {'loss':>10} {'peak MiB':>9} {'of one':>7} {'all-to-all B':>13} "
           f"{'min':>13} {'ring B':>12} {'min':>12} {'step s':>7}")
     for ring in dict.fromkeys(rings):
         sent = communication(ring, world_size, args.seq_len)
         assert sent["all_to_all"] == sent["all_to_all_minimum"] and sent["ring"] == sent["ring_minimum"], sent
         memory = on_ranks(ring, world_size, args.seq_len, args.steps, "memory")
         timed = on_ranks(ring, world_size, args.seq_len, args.steps, "time")
-        print(f"{ring:>4}  {sent['plan']:<44} {memory['loss']:>10.6f} {memory['peak_bytes'] / 2**20:>9.1f} "
+        print(f"{ring:>4}  {sent['plan']:<22} {memory['loss']:>10.6f} {memory['peak_bytes'] / 2**20:>9.1f} "
               f"{memory['peak_bytes'] / one['peak_bytes']:>7.2f} {sent['all_to_all']:>13,} "
               f"{sent['all_to_all_minimum']:>13,} {sent['ring']:>12,} {sent['ring_minimum']:>12,} "
               f"{timed['seconds']:>7.2f}", flush=True)

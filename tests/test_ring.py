@@ -222,6 +222,61 @@ def test_ring_training_with_zero_3_and_checkpointing_equals_eager():
     run_ranks(ring_training_equals_eager, 4)
 
 
+def checkpoint_resumed_under_a_ring(rank, world_size, folder):
+    """Two AdamW steps of a 4-head Llama at P = 4 under Ulysses alone (ZeRO-3), saved with DCP; loaded
+    into a model of other initial values planned U 2 x R 2 (``ring=2``), two more steps: the losses and
+    every parameter against eager's four steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ulysses_compile import full_state_dict
+    from ulysses_compile.zero import compile_partitioned
+
+    def parallelized(model, ring, reports):
+        return compile_partitioned(model, reporting_backend(reports, ring=ring), zero_stage=3, group=None, mesh=None,
+                                   param_dtype=None, reduce_dtype=None, options={})
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(input_ids=batch[0], labels=batch[1], use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    reference = tiny_llama(heads=4, kv_heads=4, layers=1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    batches = [token_batch(seq=32, seed=seed) for seed in (1, 2, 3, 4)]
+    ulysses_reports, ring_reports = [], []
+    model = parallelized(copy.deepcopy(reference), 1, ulysses_reports)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in batches[:2]:
+        assert_close(f"rank {rank} loss before saving", step(model, optimizer, batch),
+                     step(reference, reference_optimizer, batch))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+
+    resumed = parallelized(tiny_llama(heads=4, kv_heads=4, layers=1, seed=7), 2, ring_reports)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=5e-2)
+    model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for batch in batches[2:]:
+        assert_close(f"rank {rank} loss after resuming under a ring", step(resumed, resumed_optimizer, batch),
+                     step(reference, reference_optimizer, batch))
+    assert all(site.ring == 1 for report in ulysses_reports for site in report.attention_sites)
+    _plan_and_collectives(ring_reports, world_size, 2)
+    resumed_state = full_state_dict(resumed)
+    for name, tensor in reference.state_dict().items():
+        assert_close(f"rank {rank} {name} after 4 steps", resumed_state[name], tensor)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # about a minute of compiling two plans at P = 4; the ring's training runs in the default suite
+def test_checkpoint_saved_under_ulysses_resumes_under_a_ring(tmp_path):
+    run_ranks(checkpoint_resumed_under_a_ring, 4, str(tmp_path / "checkpoint"))
+
+
 BF16_RTOL = 3e-2
 
 
@@ -281,3 +336,17 @@ def test_a_ring_option_that_fits_no_plan_is_an_error_naming_the_rings_that_do(fa
     for bad in (0, 1.5, True):
         with pytest.raises(OptionsError, match="option ring="):
             Options.parse({"ring": bad})
+
+
+def test_a_length_that_changes_between_calls_runs_no_ring_yet_and_says_so(fake_group):
+    from ulysses_compile import DivisibilityError, ulysses
+
+    fake_group(4)
+    ids, labels = token_batch(seq=64)
+    compiled = torch.compile(tiny_llama(heads=2, kv_heads=2, layers=1), dynamic=True,
+                             backend=lambda gm, inputs: ulysses(gm, inputs, options={"compiler": "eager"}))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(input_ids=ids, labels=labels, use_cache=False)
+    assert isinstance(raised.value.inner_exception, DivisibilityError)
+    assert "changes between calls (a symbolic size), and a ring runs fixed lengths so far: compile with " \
+           "dynamic=False" in str(raised.value.inner_exception)

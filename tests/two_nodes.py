@@ -19,7 +19,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = tiny_llama(heads=4, kv_heads=4, layers=2)
+    model = tiny_llama(heads=4, kv_heads=4, layers=1)
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=64)
     reports = []

@@ -106,9 +106,9 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
         why = f"the largest group that splits {' and fits '.join(limits)}"
     ring = world_size // ulysses
     heads = ",".join(str(size) for size in block_sizes(site.heads, ulysses))
-    return replace(site, ulysses=ulysses, ring=ring, decision=(
-        f"parallelized: Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks, {why}"
-        f"{_checkpointed(site)}"))
+    plan = f"a ring over {ring} ranks (heads per rank {heads})" if ulysses == 1 else \
+        f"Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks"
+    return replace(site, ulysses=ulysses, ring=ring, decision=f"parallelized: {plan}, {why}{_checkpointed(site)}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -13,7 +13,7 @@ from ulysses_compile.core.report import module_path
 from ulysses_compile.core.ring_attention import ring_attention
 from ulysses_compile.core.runtime import attention_heads_dropout
 from ulysses_compile.core.sharding import REPLICATE, Shard
-from ulysses_compile.core.sizes import same_size, symbolic_hint
+from ulysses_compile.core.sizes import same_size
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, Slot, global_value_of, read_site, value_of
 from ulysses_compile.passes.rules import Decision, register
 
@@ -55,7 +55,10 @@ class ScaledDotProductAttention(AttentionForm):
         if isinstance(mask, fx.Node) and global_value_of(mask).requires_grad:
             return "its mask requires grad (a ring computes no mask gradient)"
         for length in (site.seq_len, site.kv_seq_len):
-            if (length if isinstance(length, int) else symbolic_hint(length)) % world_size:
+            if not isinstance(length, int):
+                return (f"its sequence length {length} changes between calls (a symbolic size), and a ring runs "
+                        f"fixed lengths so far: compile with dynamic=False (one graph per length)")
+            if length % world_size:
                 return f"its sequence of {length} positions does not split in {world_size} blocks of one size"
         return None
 
