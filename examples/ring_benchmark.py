@@ -4,8 +4,8 @@
     python examples/ring_benchmark.py --seq-len 8192 --steps 3
 
 The benchmark's Llama (4 layers, hidden 256, 8 heads, vocab 8192, one sequence, fp32) is trained for a
-step under each plan the option ``ring`` sets: 1 (Ulysses over every rank), 2 (Ulysses over pairs, a
-ring of 2), P (a ring alone). For each: the loss (equal across plans, and to one process's), the
+step (forward and backward, no optimizer) under each plan the option ``ring`` sets: 1 (Ulysses over
+every rank), 2 (Ulysses over P / 2 ranks, a ring of 2), P (a ring alone). For each: the loss (equal across plans, and to one process's), the
 largest rank's peak memory growth over a step against one process's, the bytes each rank sends by
 all-to-all and round the ring against their minimum (``explain``'s accounting, asserted equal), and the
 slowest rank's step time. At P = 4 on 2 cores the ranks share the cores, so the time measures

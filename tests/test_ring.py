@@ -333,6 +333,12 @@ def test_a_ring_option_that_fits_no_plan_is_an_error_naming_the_rings_that_do(fa
     assert isinstance(raised.value.inner_exception, DivisibilityError)
     assert "option ring=2 over 4 ranks" in str(raised.value.inner_exception)
     assert "choose a ring of 4 ranks" in str(raised.value.inner_exception)
+    eager = tiny_llama(heads=4, kv_heads=4, layers=1)
+    eager.config._attn_implementation = "eager"  # hand-written softmax(q k^T) v: no ring yet
+    torch.compiler.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="option ring=2: this attention cannot run "
+                       "as a ring: ring attention runs scaled_dot_product_attention calls so far, not matmul_softmax"):
+        rewritten_graphs(eager, (), kwargs, ring=2)
     for bad in (0, 1.5, True):
         with pytest.raises(OptionsError, match="option ring="):
             Options.parse({"ring": bad})

@@ -2,7 +2,7 @@
 the ring, one neighbour to the next; partial results merge by their log-sum-exp in fp32 (or the inputs' dtype where wider).
 
 The forward and its backward are custom ops that AOTAutograd calls rather than traces, so autograd
-saves only what the backward reads (the local q, k, v, the output and its log-sum-exp) instead of
+saves only what the backward reads (the local q, k, v, the output, its log-sum-exp and the mask) instead of
 every block's intermediate values, and the backward is a ring of its own: key/value blocks travel
 round again and each block's dK/dV accumulates on the ranks it passes, arriving home last. With R
 ranks and a contiguous layout (rank i holds the i-th block of the query and of the key/value
@@ -15,7 +15,8 @@ forward       R - 1 of (k, v)                        attention of q on block j, 
 backward      R - 1 of (k, v), R - 1 of (dk, dv)     dq += ...; dk_j, dv_j added to what arrived
 ============  =====================================  ==========================================
 
-A causal mask hides every block j > i: those steps compute nothing and only pass blocks on. At most
+Under ``is_causal`` every block j > i is hidden: those steps compute nothing and only pass blocks on
+(a causal mask passed as a tensor, with padding say, is computed block by block). At most
 two key/value blocks are held at once (the one in use and the one arriving). Key/value heads travel
 as they are (grouped-query attention broadcasts them in the kernel: never repeated copies).
 

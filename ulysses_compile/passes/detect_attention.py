@@ -10,8 +10,8 @@ After: the hand-written result passes through ``attention_output(out)`` (an iden
 the head-parallel region ends); otherwise the graph is unchanged. It returns a :class:`Detection`: one
 :class:`AttentionSite` per call, read by the form the node belongs to (``ulysses_compile/passes/attention_forms/``),
 with its module path, heads, KV heads, head dim, sequence lengths and mask, and why each softmax or
-attention call that is not a site is not. A site with fewer heads than ranks raises here, before any
-rewrite. A symbolic sequence length is guarded to its class (``sizes.pin_length_class``), the same on
+attention call that is not a site is not, and each site's plan (``_planned``: Ulysses over every rank,
+or Ulysses x ring). A site with no plan raises here, before any rewrite. A symbolic sequence length is guarded to its class (``sizes.pin_length_class``), the same on
 every rank.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
@@ -67,7 +67,7 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
     Ulysses over the whole group where the heads allow it and the group is on one node (or the option
     ``ring=1``); else Ulysses over the largest groups of consecutive ranks that split the query heads
     and the key/value heads alike (no key/value head is repeated round the ring) and share a node, and
-    a ring over the groups; ``ring=R`` sets the ring's size. Past a node only (as many heads as ranks),
+    a ring over the groups; ``ring=R`` sets the ring's size. Past a node only (at least as many heads as ranks),
     a site that cannot run as a ring, or whose ring would be every rank, keeps Ulysses over the group."""
     world_size, forced = ctx.world_size, ctx.options.ring
     node = ranks_per_node(ctx.group_name)
@@ -92,8 +92,8 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
         ulysses = max(u for u in _divisors(world_size) if node % u == 0 and site.heads % u == 0
                       and site.kv_by_all_to_all(u))
         if site.heads >= world_size and (blocker is not None or ulysses == 1):
-            reason = blocker or "no group on one node splits the key/value heads, and a ring of every rank " \
-                                "leaves the causal work uneven"
+            reason = blocker or "no group on one node splits the query and key/value heads, and a ring of " \
+                                "every rank leaves the causal work uneven"
             return replace(site, ulysses=world_size,
                            decision=f"{_decision(site, world_size)}; across nodes without a ring: {reason}")
         if blocker is not None:
