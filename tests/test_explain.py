@@ -311,5 +311,5 @@ def test_explain_shows_the_ring_plan_and_its_bytes_against_their_minimum(monkeyp
     assert "x ring over 2 ranks, the largest group that splits 4 query / 4 key/value heads and fits 2 ranks per " \
            "node" in report.attention_sites[0].decision
     report = explain(tiny_llama(heads=4, kv_heads=1, layers=1), world_size=4, **kwargs)
-    assert "across nodes without a ring: no group on one node splits the key/value heads" in \
+    assert "across nodes without a ring: no group on one node splits the query and key/value heads" in \
            report.attention_sites[0].decision
