@@ -244,41 +244,40 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
 
 
 def _site_report(site, world_size: int, rank: int) -> SiteReport:
-    if site.ring > 1:
-        return _ring_site_report(site, world_size, rank)
-    heads = block_sizes(site.heads, world_size)
+    verdicts = _ring_verdicts(site, world_size, rank) if site.ring > 1 else _verdicts(site, world_size, rank)
+    return SiteReport(
+        module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
+        kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
+        mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
+    )
+
+
+def _heads_verdict(heads: int, ranks: int, where: str) -> str:
+    blocks = block_sizes(heads, ranks)
+    return f"heads {heads} on {where}: " + (
+        f"{blocks[0]} each" if len(set(blocks)) == 1 else f"uneven blocks {','.join(map(str, blocks))}")
+
+
+def _verdicts(site, world_size: int, rank: int) -> list[str]:
     blocks = block_sizes(as_int(site.seq_len), world_size)
     even_blocks = all(same_size(block, blocks[0]) for block in blocks)  # no hashing: a block may be symbolic
-    verdicts = [
-        f"heads {site.heads} on {world_size} ranks: "
-        + (f"{heads[0]} each" if len(set(heads)) == 1 else f"uneven blocks {','.join(map(str, heads))}"),
+    return [
+        _heads_verdict(site.heads, world_size, f"{world_size} ranks"),
         f"kv heads {site.kv_heads}: " + ("by all-to-all" if site.kv_by_all_to_all(world_size) else
                                           "each rank gathers the KV heads its query heads use"),
         f"seq {site.seq_len}: " + (f"{blocks[0]} per rank" if even_blocks else
                                    f"uneven blocks {','.join(map(str, blocks))} (rank {rank}: {blocks[rank]})"),
     ]
-    return SiteReport(
-        module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
-        kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
-        mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
-    )
 
 
-def _ring_site_report(site, world_size: int, rank: int) -> SiteReport:
-    heads = block_sizes(site.heads, site.ulysses)
+def _ring_verdicts(site, world_size: int, rank: int) -> list[str]:
     kv_heads = block_sizes(site.kv_heads, site.ulysses)
-    verdicts = [
-        f"heads {site.heads} on Ulysses groups of {site.ulysses}: "
-        + (f"{heads[0]} each" if len(set(heads)) == 1 else f"uneven blocks {','.join(map(str, heads))}"),
+    return [
+        _heads_verdict(site.heads, site.ulysses, f"Ulysses groups of {site.ulysses}"),
         f"kv heads {site.kv_heads}: {kv_heads[rank % site.ulysses]} per rank, travelling round the ring un-repeated",
         f"seq {site.seq_len}: {as_int(site.seq_len) // site.ring} per ring rank, "
         f"{as_int(site.seq_len) // world_size} per rank outside attention",
     ]
-    return SiteReport(
-        module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
-        kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
-        mask=site.mask_kind(), decision=site.decision, divisibility="; ".join(verdicts),
-    )
 
 
 def _ring_minimum_bytes(site, rank: int) -> int:
