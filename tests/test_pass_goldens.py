@@ -404,9 +404,24 @@ def test_insert_all_to_all_under_a_ring(fake_group):
 +    getitem_3 = seq_to_heads_qkv[0]
 +    getitem_4 = seq_to_heads_qkv[1]
 +    getitem_5 = seq_to_heads_qkv[2]
-+    scaled_dot_product_attention = ulysses_compile_core_ring_attention_ring_attention(getitem_3, getitem_4, getitem_5, attn_mask = None, is_causal = True, scale = None, group_name = 'ulysses_ring2_1599362d420c')
++    scaled_dot_product_attention = ulysses_compile_core_ring_attention_ring_attention(getitem_3, getitem_4, getitem_5, attn_mask = None, is_causal = True, scale = None, group_name = 'ulysses_ring2_1599362d420c', head_tail = True)
 +    heads_to_seq = ulysses_compile_core_collectives_heads_to_seq(scaled_dot_product_attention, seq_dim = 2, head_dim = 1, heads = 2, rank = rank_1, world_size = 2, group_name = 'ulysses_heads2_1599362d420c')
 +    transpose = heads_to_seq.transpose(1, 2)""")
+
+
+def test_plan_sequence_layout(fake_group):
+    """A causal ring of 2 over 4 ranks: the graph is left as it is, and the blocks the later passes take
+    are the head-tail layout's."""
+    fake_group(4)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(SDPAttention(), (torch.randn(2, 16, DIM, generator=torch.Generator().manual_seed(0)),))
+    report = gm.meta["ulysses_report"]
+    assert report.graphs["plan_sequence_layout"] == report.graphs["propagate_sharding"]
+    taken = [line.strip() for line in _lines(report.graphs["redistribute"]) if "scatter_seq" in line]
+    assert_expected_inline("\n".join([report.layout, *taken]), """\
+head-tail over a ring of 2 (ring place i holds chunks i and 3 - i of 4): every attention runs as a causal ring of 2
+scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = rank, world_size = 4, group_name = '0', head_tail = 2)
+linear = torch._C._nn.linear(scatter_seq, sync_grad, None)""")
 
 
 def test_localize_ops(fake_group):
@@ -448,7 +463,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 18, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 19, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__

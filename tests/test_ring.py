@@ -25,6 +25,9 @@ from graphs import reporting_backend
 from models import tiny_llama, token_batch
 from multirank import TIMEOUT_S, assert_close, compare_model, free_port, run_ranks
 
+from ulysses_compile import OptionsError
+from ulysses_compile.core.options import Options
+
 CASES = {
     "causal": dict(is_causal=True),
     "none": dict(),
@@ -51,9 +54,9 @@ def _inputs(heads=4, kv_heads=4, length=16, kv_len=None, mask=None, dtype=torch.
     return q, k, v, grad, attn_mask
 
 
-def _check_ring(rank, world_size, case, dtype, explicit, counts):
+def _check_ring(rank, world_size, case, dtype, explicit, counts, head_tail=False):
     from ulysses_compile.core import collectives, ring_attention as ring_module
-    from ulysses_compile.core.collectives import sequence_subgroups
+    from ulysses_compile.core.collectives import head_tail_positions, sequence_subgroups
 
     settings = CASES[case]
     q, k, v, grad, mask = _inputs(dtype=dtype, **settings)
@@ -75,17 +78,19 @@ def _check_ring(rank, world_size, case, dtype, explicit, counts):
         ring_module._uses_kernel = lambda q, v, mask: False
     try:
         def block(t):
-            return t.chunk(world_size, dim=2)[rank].detach().clone().requires_grad_()
-        mine = [block(t) for t in (q, k, v)]
-        got = ring_module.ring_attention(*mine, mask, group_name=ring, **options)
-        got.backward(grad.chunk(world_size, dim=2)[rank])
+            if head_tail:
+                return t.index_select(2, head_tail_positions(t.shape[2], world_size, world_size, rank, t.device))
+            return t.chunk(world_size, dim=2)[rank]
+        mine = [block(t).detach().clone().requires_grad_() for t in (q, k, v)]
+        got = ring_module.ring_attention(*mine, mask, group_name=ring, head_tail=head_tail, **options)
+        got.backward(block(grad))
     finally:
         ring_module.ring_shift = shift
         ring_module._uses_kernel = uses_kernel
     rtol = 1e-4 if dtype != torch.bfloat16 else 2e-2
-    assert_close(f"rank {rank} out", got, want.chunk(world_size, dim=2)[rank], rtol)
+    assert_close(f"rank {rank} out", got, block(want), rtol)
     for name, got_grad, leaf in zip("qkv", mine, leaves):
-        assert_close(f"rank {rank} d{name}", got_grad.grad, leaf.grad.chunk(world_size, dim=2)[rank], rtol)
+        assert_close(f"rank {rank} d{name}", got_grad.grad, block(leaf.grad), rtol)
     if counts:
         # forward: R - 1 key/value rotations; backward: R - 1 of key/value and R - 1 of their gradients
         assert shifts.count(0) == 2 * (world_size - 1) and shifts.count(1) == world_size - 1, shifts
@@ -107,13 +112,32 @@ def test_ring_attention_explicit_blocks_match_the_kernel(case):
     run_ranks(_check_ring, 2, case, torch.float64, True, False)
 
 
-def _plan_and_collectives(reports, world_size: int, ring: int) -> None:
-    """Every site planned Ulysses over P / ring ranks x a ring of ``ring``; per site one ring attention,
-    and, where the Ulysses groups have more than one rank, q, k, v to heads and the output back within
-    them; no sequence gathered."""
+@pytest.mark.parametrize("case", ["causal", "bool mask", "additive per-head mask", "grouped-query causal"])
+def test_ring_attention_in_the_head_tail_layout_matches_sdpa(case):
+    """Ring rank i holding chunks i and 2R - 1 - i of 2R: equal to SDPA at those positions, with the
+    rotation counts of the contiguous layout; the explicit computation once."""
+    run_ranks(_check_ring, 4, case, torch.float64, case == "grouped-query causal", case == "causal", True)
+
+
+def test_head_tail_layout_evens_the_causal_work():
+    """The query x key elements each ring rank computes under a causal mask (a causal block counts half):
+    max / min 7 in contiguous blocks at R = 4, 1 in the head-tail layout (at most 1.10 asked)."""
+    from ulysses_compile.core.ring_attention import causal_work
+
+    contiguous, head_tail = (causal_work(4, 64, balanced) for balanced in (False, True))
+    assert max(contiguous) / min(contiguous) == 7
+    assert max(head_tail) / min(head_tail) == 1 and sum(head_tail) == sum(contiguous) == 64 * 64 / 2
+
+
+def _plan_and_collectives(reports, world_size: int, ring: int, head_tail: int) -> None:
+    """Every site planned Ulysses over P / ring ranks x a ring of ``ring``, the sequence in the layout
+    ``head_tail`` (0: contiguous blocks); per site one ring attention, and, where the Ulysses groups have
+    more than one rank, q, k, v to heads and the output back within them; no sequence gathered."""
     sites = [site for report in reports for site in report.attention_sites]
     assert sites and all((site.ulysses, site.ring) == (world_size // ring, ring) for site in sites), \
         [site.summary() for site in sites]
+    assert all(report.head_tail == head_tail for report in reports if report.attention_sites), \
+        [report.layout for report in reports]
     kinds = [call.kind for report in reports for call in report.collectives]
     assert kinds.count("ring_attention") == len(sites), kinds
     to_heads = kinds.count("seq_to_heads_qkv") + kinds.count("seq_to_heads")
@@ -124,14 +148,16 @@ def _plan_and_collectives(reports, world_size: int, ring: int) -> None:
     assert "gather_seq" not in kinds and "gather_kv_heads" not in kinds, kinds
 
 
-# form -> the ring at P = 4: Ulysses over 2 ranks where the key/value heads split in 2, else a ring alone
+# form -> the ring at P = 4 (Ulysses over 2 ranks where the key/value heads split in 2, else a ring
+# alone) and the layout: head-tail for the causal Llamas, contiguous blocks where no attention is causal
+# or one attends over another sequence
 RING_FORMS = {
-    "sdpa_gqa_bool_mask": 2,
-    "sdpa_per_head_bias_6_heads": 2,
-    "nn_transformer_cross_attention": 2,
-    "nn_mha_key_padding": 4,
-    "llama_mqa": 4,
-    "llama_6_heads_gqa_3": 4,
+    "sdpa_gqa_bool_mask": (2, 0),
+    "sdpa_per_head_bias_6_heads": (2, 0),
+    "nn_transformer_cross_attention": (2, 0),
+    "nn_mha_key_padding": (4, 0),
+    "llama_mqa": (4, 4),
+    "llama_6_heads_gqa_3": (4, 4),
 }
 
 
@@ -141,10 +167,11 @@ def ring_forms_equal_to_eager(rank, world_size, names):
         reference = copy.deepcopy(model)
         torch.compiler.reset()
         reports = []
-        compiled = torch.compile(model, backend=reporting_backend(reports, ring=RING_FORMS[name]))
+        ring, head_tail = RING_FORMS[name]
+        compiled = torch.compile(model, backend=reporting_backend(reports, ring=ring))
         got = outputs_of(compiled(*args, **kwargs))
         want = outputs_of(reference(*args, **kwargs))
-        _plan_and_collectives(reports, world_size, RING_FORMS[name])
+        _plan_and_collectives(reports, world_size, ring, head_tail)
         got["loss"].backward()
         want["loss"].backward()
         compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
@@ -168,7 +195,7 @@ def llama_planned_equal_to_eager(rank, world_size, heads, kv_heads, ring, padded
         kwargs["attention_mask"] = attention_mask
     reports = []
     got = torch.compile(model, backend=reporting_backend(reports, compiler=compiler))(**kwargs)
-    _plan_and_collectives(reports, world_size, ring)
+    _plan_and_collectives(reports, world_size, ring, 0 if padded else ring)  # a padding mask is not causal
     assert all(not report.rank_specific for report in reports), "one program for every rank"
     got.loss.backward()
     want = reference(**kwargs)
@@ -188,7 +215,8 @@ def test_more_ranks_than_heads_plan_a_ring_equal_to_eager(world_size, heads, kv_
 
 def ring_training_equals_eager(rank, world_size):
     """Three AdamW steps of a 2-head Llama under ZeRO-3 with gradient checkpointing at P = 4 (a ring of
-    2 planned): the loss at every step and every parameter after them against eager's."""
+    2 planned, the sequence in the head-tail layout): the loss at every step and every parameter after
+    them against eager's."""
     from ulysses_compile import full_state_dict
     from ulysses_compile.zero import compile_partitioned
 
@@ -211,7 +239,7 @@ def ring_training_equals_eager(rank, world_size):
             opt.step()
             losses.append(loss)
         assert_close(f"rank {rank} step {step} loss", *losses)
-    _plan_and_collectives(reports, world_size, 2)
+    _plan_and_collectives(reports, world_size, 2, 2)
     full, want = full_state_dict(compiled), reference.state_dict()
     for name, tensor in want.items():
         assert_close(f"rank {rank} {name} after 3 steps", full[name], tensor)
@@ -265,7 +293,7 @@ def checkpoint_resumed_under_a_ring(rank, world_size, folder):
         assert_close(f"rank {rank} loss after resuming under a ring", step(resumed, resumed_optimizer, batch),
                      step(reference, reference_optimizer, batch))
     assert all(site.ring == 1 for report in ulysses_reports for site in report.attention_sites)
-    _plan_and_collectives(ring_reports, world_size, 2)
+    _plan_and_collectives(ring_reports, world_size, 2, 2)
     resumed_state = full_state_dict(resumed)
     for name, tensor in reference.state_dict().items():
         assert_close(f"rank {rank} {name} after 4 steps", resumed_state[name], tensor)
@@ -294,7 +322,7 @@ def ring_under_autocast(rank, world_size):
             loss = each(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
         results.append(loss)
-    _plan_and_collectives(reports, world_size, world_size)
+    _plan_and_collectives(reports, world_size, world_size, world_size)
     assert_close(f"rank {rank} bf16 loss", *results, rtol=BF16_RTOL)
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         assert_close(f"rank {rank} bf16 grad {name}", got.grad, want.grad, rtol=BF16_RTOL)
@@ -308,7 +336,8 @@ def test_ring_under_bf16_autocast_matches_eager():
 @pytest.mark.multirank
 def test_two_nodes_put_ulysses_inside_each_node_and_the_ring_across():
     """Two torchrun "nodes" of 2 ranks on this machine (c10d rendezvous), a 4-head Llama: Ulysses
-    within each node, the ring across them, exact (the script asserts it on every rank)."""
+    within each node, the ring across them, the sequence head-tail, exact (the script asserts it on every
+    rank)."""
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
@@ -356,3 +385,40 @@ def test_a_length_that_changes_between_calls_runs_no_ring_yet_and_says_so(fake_g
     assert isinstance(raised.value.inner_exception, DivisibilityError)
     assert "changes between calls (a symbolic size), and a ring runs fixed lengths so far: compile with " \
            "dynamic=False" in str(raised.value.inner_exception)
+
+
+def test_sequence_layout_plan(fake_group):
+    """Head-tail where every attention is a causal ring (the inputs' blocks taken in it, the ring told),
+    and contiguous blocks with the reason where the option, the outputs or the length ask for them. The
+    models under a ring above run head-tail, exact, their logits read whole in order."""
+    from graphs import calls, rewritten_graphs
+    from ulysses_compile.core.collectives import scatter_seq
+
+    fake_group(4)
+
+    def layout(seq=64, **options):
+        torch.compiler.reset()
+        batch = token_batch(seq=seq)
+        (gm,) = rewritten_graphs(tiny_llama(heads=2, kv_heads=2, layers=1), (),
+                                 {"input_ids": batch[0], "labels": batch[1], "use_cache": False}, **options)
+        return gm
+
+    gm = layout()
+    report = gm.meta["ulysses_report"]
+    assert report.head_tail == 2 and report.layout.startswith("head-tail over a ring of 2 (ring place i holds "
+                                                               "chunks i and 3 - i of 4)"), report.layout
+    assert calls(gm, scatter_seq) and all(node.kwargs["head_tail"] == 2 for node in calls(gm, scatter_seq))
+    (ring,) = [node for node in gm.graph.nodes if node.op == "call_function"
+               and getattr(node.target, "__name__", "") == "ring_attention"]
+    assert ring.kwargs["head_tail"] is True
+    for options, reason in [
+        (dict(layout="contiguous"), "option layout='contiguous'"),
+        (dict(outputs="local"), "option outputs='local' hands the caller each rank's block"),
+        (dict(seq=60, ring=4), "holds a sequence of 60 positions, which does not cut into 8 chunks and 4 blocks "
+                               "of one size (a multiple of 8 does)"),
+    ]:
+        report = layout(**options).meta["ulysses_report"]
+        assert report.head_tail == 0 and report.layout.startswith(
+            "contiguous blocks, so a causal ring's work is uneven: ") and reason in report.layout, report.layout
+    with pytest.raises(OptionsError, match="option layout='zigzag': expected 'auto'"):
+        Options.parse({"layout": "zigzag"})

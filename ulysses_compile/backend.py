@@ -100,6 +100,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
     """Run the passes on ``gm`` in place for this rank of ``group``; the report is also kept in
     ``gm.meta["ulysses_report"]``."""
     group_name = opts.group_name()
+    lazy_inputs, lazy_head_tail = PassContext.lazy_placeholders(gm, example_inputs, group, group_name)
     ctx = PassContext(
         world_size=group.size(),
         rank=group.rank(),
@@ -110,7 +111,8 @@ def rewrite(gm: fx.GraphModule, example_inputs, opts: Options, group) -> tuple[P
         outputs_to_caller=returns_to_compile_caller(gm),
         graph_break=graph_break_reason(gm),
         checkpointed_side_effect_break=checkpointed_side_effect_break(),
-        lazy_inputs=PassContext.lazy_placeholders(gm, example_inputs, group, group_name),
+        lazy_inputs=lazy_inputs,
+        lazy_head_tail=lazy_head_tail,
     )
     report = run_pipeline(gm, ctx)
     gm.meta["ulysses_report"] = report

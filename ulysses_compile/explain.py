@@ -51,7 +51,7 @@ from ulysses_compile.core.errors import UlyssesError
 from ulysses_compile.core.memory import GraphMemory, StepMemory
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.report import CollectiveCall, Report, SiteReport, module_path
-from ulysses_compile.core.ring_attention import ring_attention_ops
+from ulysses_compile.core.ring_attention import causal_work, ring_attention_ops
 from ulysses_compile.core.sharding import block_sizes, sharding_of
 from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
 from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
@@ -212,7 +212,8 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
     report.fallbacks += graph_report.fallbacks
     split = not graph_report.replicated
     graph = _Explained(
-        sites=[_site_report(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites],
+        sites=[_site_report(site, ctx.world_size, ctx.rank, graph_report.head_tail)
+               for site in graph_report.attention_sites],
         minimum_bytes=sum(_minimum_bytes(site, ctx.world_size, ctx.rank) for site in graph_report.attention_sites
                           if split),
         ring_minimum_bytes=sum(_ring_minimum_bytes(site, ctx.rank)
@@ -243,8 +244,8 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
     return run
 
 
-def _site_report(site, world_size: int, rank: int) -> SiteReport:
-    verdicts = _ring_verdicts(site, world_size, rank) if site.ring > 1 else _verdicts(site, world_size, rank)
+def _site_report(site, world_size: int, rank: int, head_tail: int) -> SiteReport:
+    verdicts = _ring_verdicts(site, world_size, rank, head_tail) if site.ring > 1 else _verdicts(site, world_size, rank)
     return SiteReport(
         module=site.module or site.node.name, form=site.spelling, layout=site.layout(), heads=site.heads,
         kv_heads=site.kv_heads, head_dim=site.head_dim, seq_len=site.seq_len, kv_seq_len=site.kv_seq_len,
@@ -270,14 +271,19 @@ def _verdicts(site, world_size: int, rank: int) -> list[str]:
     ]
 
 
-def _ring_verdicts(site, world_size: int, rank: int) -> list[str]:
+def _ring_verdicts(site, world_size: int, rank: int, head_tail: int) -> list[str]:
     kv_heads = block_sizes(site.kv_heads, site.ulysses)
-    return [
+    verdicts = [
         _heads_verdict(site.heads, site.ulysses, f"Ulysses groups of {site.ulysses}"),
         f"kv heads {site.kv_heads}: {kv_heads[rank % site.ulysses]} per rank, travelling round the ring un-repeated",
         f"seq {site.seq_len}: {as_int(site.seq_len) // site.ring} per ring rank, "
         f"{as_int(site.seq_len) // world_size} per rank outside attention",
     ]
+    if site.is_causal:
+        work = causal_work(site.ring, as_int(site.seq_len), bool(head_tail))
+        verdicts.append(f"causal work per ring rank, max / min: {max(work) / min(work):.2f} "
+                        f"({'head-tail' if head_tail else 'contiguous'} layout)")
+    return verdicts
 
 
 def _ring_minimum_bytes(site, rank: int) -> int:

@@ -82,22 +82,25 @@ def verified(compiled, original, gm: fx.GraphModule, ctx):
 
 def _this_ranks(whole, block, ctx):
     """This rank's block of an eager output the rewritten graph leaves sequence-sharded (``block``:
-    ``(dim, outer, inner)``); anything else as it is."""
+    ``(dim, outer, inner, head_tail)``); anything else as it is."""
     if block is None or not isinstance(whole, torch.Tensor):
         return whole
-    return take_block(whole, *block, ctx.rank, ctx.world_size)
+    dim, outer, inner, head_tail = block
+    return take_block(whole, dim, outer, inner, ctx.rank, ctx.world_size, head_tail)
 
 
-def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int] | None]:
-    """For each output of the captured graph, ``(dim, outer, inner)`` of its sequence sharding if the
-    rewritten graph leaves it sharded, else None."""
+def _output_blocks(gm: fx.GraphModule) -> list[tuple[int, int, int, int] | None]:
+    """For each output of the captured graph, ``(dim, outer, inner, head_tail)`` of its sequence sharding
+    if the rewritten graph leaves it sharded, else None."""
     (output,) = gm.graph.find_nodes(op="output")
     values = output.args[0]
+    report = gm.meta["ulysses_report"]
     blocks = []
-    for arg in values[:len(values) - len(gm.meta["ulysses_report"].computed_outputs)]:
+    for arg in values[:len(values) - len(report.computed_outputs)]:
         sharding = sharding_of(arg) if isinstance(arg, fx.Node) else None
         placement = sharding.output if sharding is not None else None
-        blocks.append(None if placement is None or isinstance(placement, tuple) else seq_factors(placement))
+        factors = None if placement is None or isinstance(placement, tuple) else seq_factors(placement)
+        blocks.append(None if factors is None else (*factors, report.head_tail))
     return blocks
 
 

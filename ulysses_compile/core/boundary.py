@@ -62,13 +62,14 @@ from ulysses_compile.core.sizes import is_symbolic
 @dataclass(frozen=True)
 class SequenceBlocks:
     """How an output leaves the graph: its dim ``dim`` read as ``[outer, S, inner]``, the sequence S in
-    the ranks' balanced blocks. ``length`` is S for a graph compiled for one length, None for one
+    the ranks' balanced blocks (or the head-tail layout's, ``collectives.head_tail_positions``). ``length`` is S for a graph compiled for one length, None for one
     compiled for every length (then P divides S, ``even_blocks``)."""
 
     dim: int
     outer: int
     inner: int
     length: int | None
+    head_tail: int = 0  # the ring's size where the ranks hold the sequence in the head-tail layout
 
     def whole_length(self, block: torch.Tensor, world_size: int) -> int:
         if self.length is not None:
@@ -92,6 +93,7 @@ class _Layout:
     rank: int
     world_size: int
     group_name: str
+    head_tail: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,14 +242,14 @@ class GatheredOnUse(torch.Tensor):
         """The sequence's length S (its dim is ``[outer, S, inner]``)."""
         return self.shape[self._layout.dim] // (self._layout.outer * self._layout.inner)
 
-    def own_block(self, dim, outer, inner, rank, world_size, group_name) -> torch.Tensor | None:
+    def own_block(self, dim, outer, inner, rank, world_size, group_name, head_tail=0) -> torch.Tensor | None:
         """This rank's block, when ``scatter_seq`` takes the block the graph that made it returned (same
         layout, rank and group) from a whole not gathered yet (nor gathered in the graph being traced,
         which may have written into it): the block itself, no gather. Else None."""
         layout = self._layout
         # A rank read at run time is this process's rank in the group: the layout's where the group is.
-        same = (dim, outer, inner, world_size, group_name) == \
-            (layout.dim, layout.outer, layout.inner, layout.world_size, layout.group_name) and \
+        same = (dim, outer, inner, world_size, group_name, head_tail) == \
+            (layout.dim, layout.outer, layout.inner, layout.world_size, layout.group_name, layout.head_tail) and \
             (isinstance(rank, torch.Tensor) or rank == layout.rank)
         if not same or self._kept or getattr(self, "_traced", None) is not None:
             return None
@@ -341,15 +343,15 @@ class GatheredOnUse(torch.Tensor):
         return result
 
 
-def own_blocks(value, rank: int, world_size: int, group_name: str) -> tuple[int, int, int] | None:
-    """``(dim, outer, inner)`` of a ``GatheredOnUse`` not read yet that holds this rank's block in
-    ``group_name``'s layout; None for anything else."""
+def own_blocks(value, rank: int, world_size: int, group_name: str) -> tuple[int, int, int, int] | None:
+    """``(dim, outer, inner, head_tail)`` of a ``GatheredOnUse`` not read yet that holds this rank's block
+    in ``group_name``'s layout; None for anything else."""
     if not isinstance(value, GatheredOnUse) or value.gathered:
         return None
     layout = value._layout
     if (layout.rank, layout.world_size, layout.group_name) != (rank, world_size, group_name):
         return None
-    return layout.dim, layout.outer, layout.inner
+    return layout.dim, layout.outer, layout.inner, layout.head_tail
 
 
 def _lazy_whole(block: torch.Tensor, layout: _Layout, length) -> GatheredOnUse:
@@ -397,7 +399,8 @@ def _refuse_traced_writes(func, source) -> None:
 
 
 def _gather(block: torch.Tensor, layout: _Layout, length: int) -> torch.Tensor:
-    return gather_blocks(block, layout.dim, layout.outer, layout.inner, length, layout.world_size, layout.group_name)
+    return gather_blocks(block, layout.dim, layout.outer, layout.inner, length, layout.world_size, layout.group_name,
+                         layout.head_tail)
 
 
 def _agree_on_read(read: _Read | None, layout: _Layout, device, written: bool) -> bool:
@@ -447,10 +450,11 @@ def _block_of_gradient(grad: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """This rank's block of the gradient of a whole: a lazy gradient's own block (handed back by the next
     compiled graph, ``collectives.scatter_seq``), else taken from the whole."""
     own = grad.own_block(layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size,
-                         layout.group_name) if isinstance(grad, GatheredOnUse) else None
+                         layout.group_name, layout.head_tail) if isinstance(grad, GatheredOnUse) else None
     if own is not None:
         return own
-    return take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size).contiguous()
+    return take_block(grad, layout.dim, layout.outer, layout.inner, layout.rank, layout.world_size,
+                      layout.head_tail).contiguous()
 
 
 class _LeaveShardedLinear(torch.autograd.Function):
@@ -512,7 +516,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
                 outputs[position] = DTensor.from_local(block, mesh_of(block.device.type), [DTensorShard(blocks.dim)],
                                                        run_check=False)
                 continue
-            layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name)
+            layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name, blocks.head_tail)
             read = _Read(f"output {position} of {graph_name}", call, position)
             length = blocks.whole_length(block, world_size)
             outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in sources \

@@ -102,11 +102,35 @@ def _merge_seq(split: torch.Tensor, dim: int) -> torch.Tensor:
     return split.reshape(shape)
 
 
-def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size) -> torch.Tensor:
+def take_block(x: torch.Tensor, dim, outer, inner, rank, world_size, head_tail: int = 0) -> torch.Tensor:
     """This rank's sequence block of a whole tensor (no communication); a copy where ``rank`` is read
-    at run time (``rank_of_group``), as its start is then a tensor."""
+    at run time (``rank_of_group``), as its start is then a tensor, or where the layout is head-tail
+    (``head_tail``: the ring's size, 0 for contiguous blocks)."""
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
+    if head_tail:
+        positions = head_tail_positions(split.shape[dim + 1], world_size, head_tail, rank, x.device)
+        return _merge_seq(split.index_select(dim + 1, positions), dim)
     return _merge_seq(narrow_at(split, dim + 1, *block_range(split.shape[dim + 1], world_size, rank)), dim)
+
+
+def head_tail_positions(length: int, world_size: int, ring: int, rank, device) -> torch.Tensor:
+    """The positions of a sequence of ``length`` that rank ``rank`` holds in the head-tail layout of a ring
+    of ``ring``: the sequence cut in 2R chunks, laid out in the order 0, 2R-1, 1, 2R-2, ..., R-1, R and
+    that order cut in P blocks, so the ranks of ring place i hold chunks i and 2R-1-i and the causal work
+    of every place is the same. ``length`` is a multiple of 2R and of P."""
+    block, chunk = length // world_size, length // (2 * ring)
+    laid_out = torch.arange(block, device=device) + rank * block
+    slot, offset = laid_out // chunk, laid_out % chunk
+    return torch.where(slot % 2 == 0, slot // 2, 2 * ring - 1 - slot // 2) * chunk + offset
+
+
+def head_tail_order(length: int, ring: int, device) -> torch.Tensor:
+    """For each position of the sequence, its place in the head-tail layout (the ranks' blocks one after
+    the other): the inverse of :func:`head_tail_positions` over all ranks."""
+    chunk = length // (2 * ring)
+    position = torch.arange(length, device=device)
+    natural, offset = position // chunk, position % chunk
+    return torch.where(natural < ring, 2 * natural, 2 * (2 * ring - 1 - natural) + 1) * chunk + offset
 
 
 def narrow_at(x: torch.Tensor, dim: int, start, size: int) -> torch.Tensor:
@@ -169,7 +193,7 @@ def rank_node(graph: fx.Graph, group_name: str) -> fx.Node:
         return graph.call_function(rank_of_group, (group_name, device), name="rank")
 
 
-def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size) -> torch.Tensor:
+def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size, head_tail: int = 0) -> torch.Tensor:
     """The flat position, in a contiguous whole tensor of ``shape``, of every element of this rank's
     sequence block ``block`` (int64, ``block``'s shape): computed from aranges of the block's sizes, so
     nothing of the whole tensor's size is made."""
@@ -180,7 +204,9 @@ def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_s
     stride = 1
     for axis in reversed(range(len(split))):
         index = torch.arange(split[axis], dtype=torch.int64, device=block.device)
-        index = index + start if axis == dim + 1 else index
+        if axis == dim + 1:
+            index = head_tail_positions(whole[axis], world_size, head_tail, rank, block.device) if head_tail \
+                else index + start
         positions = positions + (index * stride).view([-1] + [1] * (len(split) - 1 - axis))
         stride = stride * whole[axis]
     return positions.reshape(block.shape)
@@ -192,8 +218,9 @@ def _all_equal(sizes) -> bool:
     return not any(is_symbolic(size) for size in sizes) and len(set(sizes)) == 1
 
 
-def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name) -> torch.Tensor:
-    """``gather_seq``'s forward alone (no autograd): every rank's block of a sequence of global ``length``, whole. Uneven blocks travel padded to
+def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_name, head_tail: int = 0) -> torch.Tensor:
+    """``gather_seq``'s forward alone (no autograd): every rank's block of a sequence of global ``length``,
+    whole and in order (a head-tail layout's blocks put back in place). Uneven blocks travel padded to
     the largest, as all-gather needs equal sizes."""
     sizes = block_sizes(length, world_size)
     split = x.reshape(_split_seq(x.shape, dim, outer, inner))
@@ -207,6 +234,8 @@ def gather_blocks(x: torch.Tensor, dim, outer, inner, length, world_size, group_
     # gathered: [P * block, ...rest] with the ranks' blocks in rank order along dim 0
     if not even:
         gathered = torch.cat([gathered.narrow(0, rank * sizes[0], size) for rank, size in enumerate(sizes)])
+    if head_tail:
+        gathered = gathered.index_select(0, head_tail_order(length, head_tail, gathered.device))
     return _merge_seq(gathered.movedim(0, seq_axis), dim).contiguous()
 
 
@@ -217,32 +246,32 @@ class _ScatterSeq(torch.autograd.Function):
     ``own_block`` method: ``boundary`` builds on this module, not the other way round."""
 
     @staticmethod
-    def forward(ctx, x, dim, outer, inner, rank, world_size, group_name):
+    def forward(ctx, x, dim, outer, inner, rank, world_size, group_name, head_tail):
         length = x.shape[dim] // (outer * inner)
-        ctx.args = (dim, outer, inner, length, world_size, group_name)
+        ctx.args = (dim, outer, inner, length, world_size, group_name, head_tail)
         own_block = getattr(x, "own_block", None)
-        block = own_block(dim, outer, inner, rank, world_size, group_name) if own_block else None
+        block = own_block(dim, outer, inner, rank, world_size, group_name, head_tail) if own_block else None
         if block is None:
             ctx.lazy_whole = None
-            return take_block(x, dim, outer, inner, rank, world_size).contiguous()
+            return take_block(x, dim, outer, inner, rank, world_size, head_tail).contiguous()
         ctx.lazy_whole = x.lazy_whole_of()
         return block.view_as(block)
 
     @staticmethod
     def backward(ctx, grad):
         whole = ctx.lazy_whole(grad.contiguous()) if ctx.lazy_whole else gather_blocks(grad, *ctx.args)
-        return (whole, None, None, None, None, None, None)
+        return (whole, None, None, None, None, None, None, None)
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, outer, inner, length, rank, world_size, group_name):
-        ctx.args = (dim, outer, inner, rank, world_size)
-        return gather_blocks(x, dim, outer, inner, length, world_size, group_name)
+    def forward(ctx, x, dim, outer, inner, length, rank, world_size, group_name, head_tail):
+        ctx.args = (dim, outer, inner, rank, world_size, head_tail)
+        return gather_blocks(x, dim, outer, inner, length, world_size, group_name, head_tail)
 
     @staticmethod
     def backward(ctx, grad):
-        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None, None)
+        return (take_block(grad, *ctx.args).contiguous(), None, None, None, None, None, None, None, None)
 
 
 class _ReducePartial(torch.autograd.Function):
@@ -279,14 +308,16 @@ def average_grad(x, group_name: str, group_size: int):
     return _ReduceGrad.apply(x, group_name, group_size)
 
 
-def scatter_seq(x, dim: int, outer: int, inner: int, rank, world_size: int, group_name: str):
-    """Replicate -> this rank's sequence block (``Shard`` or ``MergedShard``)."""
-    return _ScatterSeq.apply(x, dim, outer, inner, rank, world_size, group_name)
+def scatter_seq(x, dim: int, outer: int, inner: int, rank, world_size: int, group_name: str, head_tail: int = 0):
+    """Replicate -> this rank's sequence block (``Shard`` or ``MergedShard``; ``head_tail``: the ring's
+    size where the layout is head-tail)."""
+    return _ScatterSeq.apply(x, dim, outer, inner, rank, world_size, group_name, head_tail)
 
 
-def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank, world_size: int, group_name: str):
+def gather_seq(x, dim: int, outer: int, inner: int, length: int, rank, world_size: int, group_name: str,
+               head_tail: int = 0):
     """This rank's sequence block (of a sequence of global ``length``) -> the whole tensor on every rank."""
-    return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name)
+    return _GatherSeq.apply(x, dim, outer, inner, length, rank, world_size, group_name, head_tail)
 
 
 def gather_rows(row: list[int], device, world_size: int, group_name: str) -> list[list[int]]:

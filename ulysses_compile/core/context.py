@@ -29,15 +29,25 @@ class PassContext:
     # placeholders holding a graph's sequence-sharded output left lazily (``boundary.GatheredOnUse``) ->
     # its placement: this rank's block is there without a gather
     lazy_inputs: dict[fx.Node, Placement] = field(default_factory=dict)
+    # the layouts those blocks are in (``head_tail``, 0 for contiguous blocks)
+    lazy_head_tail: frozenset[int] = frozenset()
     # Inside an attention planned as Ulysses x ring: the ring's size, the group and the rank then being
     # the rank's Ulysses group and its place in it (``within_ulysses``)
     ring: int = 1
+    # The ring's size R where the ranks hold the sequence in the head-tail layout (each ring place i
+    # the chunks i and 2R - 1 - i of 2R: ``plan_sequence_layout``), 0 for contiguous blocks
+    head_tail: int = 0
 
     def within_ulysses(self, ulysses: int, group_name: str) -> "PassContext":
         """The context of an attention whose heads split over this rank's Ulysses group of ``ulysses``
         consecutive ranks (``group_name``), a ring running over the groups."""
         return replace(self, world_size=ulysses, rank=self.rank % ulysses, group_name=group_name,
                        ring=self.world_size // ulysses)
+
+    def layout_args(self) -> tuple:
+        """The trailing argument a call that takes or gathers sequence blocks gets in a head-tail layout
+        (none in the contiguous one, whose calls keep their defaults)."""
+        return (self.head_tail,) if self.head_tail else ()
 
     def heads_shard(self, dim: int) -> Placement:
         """The placement of a whole-sequence value narrowed to this rank's heads along ``dim``."""
@@ -65,13 +75,15 @@ class PassContext:
         return frozenset(found)
 
     @staticmethod
-    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group, group_name: str) -> dict[fx.Node, Placement]:
+    def lazy_placeholders(gm: fx.GraphModule, example_inputs, group, group_name: str) \
+            -> tuple[dict[fx.Node, Placement], frozenset[int]]:
         """The placeholders whose value is a sequence-sharded output of a graph of this group, left
-        lazily and not read yet, with their placement."""
+        lazily and not read yet, with their placement; and the layouts of their blocks."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        found = {}
+        found, layouts = {}, set()
         for node, value in zip(placeholders, example_inputs):
             factors = own_blocks(value, group.rank(), group.size(), group_name)
             if factors is not None:
-                found[node] = seq_shard(*factors)
-        return found
+                found[node] = seq_shard(*factors[:3])
+                layouts.add(factors[3])
+        return found, frozenset(layouts)

@@ -28,6 +28,7 @@ class Options:
     sync_module_states: bool = False  # rank 0's parameters and buffers broadcast (DDP's); else they must agree
     rank_wait_warning: float | None = 30.0  # seconds a CPU rank waits for the others at a call before it says so
     ring: int | None = None  # ranks of the ring under Ulysses x ring attention; None: planned from the model
+    layout: str = "auto"  # the sequence over the ranks: head-tail where a causal ring gains; "contiguous" blocks
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -59,6 +60,9 @@ class Options:
         if self.ring is not None and (not isinstance(self.ring, int) or isinstance(self.ring, bool) or self.ring < 1):
             raise OptionsError(f"option ring={self.ring!r}: expected the ring's number of ranks (1: Ulysses only), "
                                f"or None to plan it from the model")
+        if self.layout not in ("auto", "contiguous"):
+            raise OptionsError(f"option layout={self.layout!r}: expected 'auto' (head-tail where a causal ring gains "
+                               f"by it) or 'contiguous'")
         if self.tile_mlp not in (False, True, "checkpointed") or not isinstance(self.tile_mlp, (bool, str)):
             raise OptionsError(f"option tile_mlp={self.tile_mlp!r}: expected 'checkpointed', True or False")
         if self.verify not in (False, True, "short") or not isinstance(self.verify, (bool, str)):

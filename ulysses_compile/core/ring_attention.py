@@ -16,7 +16,10 @@ backward      R - 1 of (k, v), R - 1 of (dk, dv)     dq += ...; dk_j, dv_j added
 ============  =====================================  ==========================================
 
 Under ``is_causal`` every block j > i is hidden: those steps compute nothing and only pass blocks on
-(a causal mask passed as a tensor, with padding say, is computed block by block). At most
+(a causal mask passed as a tensor, with padding say, is computed block by block), so rank i computes
+i + 1/2 blocks. In the head-tail layout (``head_tail``: rank i holds the chunks i and 2R - 1 - i of
+2R) every rank computes 1 + (R - 1)/2 blocks' worth: its own block causally, the first chunk of each
+earlier rank's block, and each later rank's block for its second chunk (``_visible_parts``). At most
 two key/value blocks are held at once (the one in use and the one arriving). Key/value heads travel
 as they are (grouped-query attention broadcasts them in the kernel: never repeated copies).
 
@@ -37,30 +40,38 @@ from ulysses_compile.core.compat import flash_attention_cpu, flash_attention_cpu
 
 
 def ring_attention(query, key, value, attn_mask=None, is_causal: bool = False, scale: float | None = None, *,
-                   group_name: str):
+                   group_name: str, head_tail: bool = False):
     """``scaled_dot_product_attention`` of this rank's query block over the key/value blocks of every
     rank of the ring ``group_name``: ``query`` ``[B, H, S/R, D]``, ``key``/``value`` ``[B, Hkv, Skv/R, D]``
-    (Hkv dividing H), ``attn_mask`` whole (broadcastable to ``[B, H, S, Skv]``), or None."""
+    (Hkv dividing H), ``attn_mask`` whole (broadcastable to ``[B, H, S, Skv]``), or None. ``head_tail``:
+    ring rank i holds the chunks i and 2R - 1 - i of 2R (``collectives.head_tail_positions``), not the
+    i-th of R."""
     device = query.device.type
     if torch.is_autocast_enabled(device):  # SDPA's autocast policy: inputs below float64 in the lower precision
         lower = torch.get_autocast_dtype(device)
         query, key, value = (t.to(lower) if t.dtype != torch.float64 else t for t in (query, key, value))
-    out, _ = _ring_ops().ring_attention(query, key, value, attn_mask, is_causal, scale, group_name)
+    out, _ = _ring_ops().ring_attention(query, key, value, attn_mask, is_causal, scale, head_tail, group_name)
     return out
 
 
-def _mask_block(attn_mask, rows: tuple[int, int], columns: tuple[int, int], dtype):
-    """The mask's rows and columns of one block (a broadcast dim stays), additive in ``dtype``."""
+def _mask_block(attn_mask, rows: list[tuple[int, int]], columns: list[tuple[int, int]], dtype):
+    """The mask's rows and columns of one block (each a list of ``(start, length)`` ranges of the whole
+    sequence; a broadcast dim stays), additive in ``dtype``."""
     if attn_mask is None:
         return None
     block = attn_mask
     if block.dim() > 1 and block.shape[-2] != 1:
-        block = block.narrow(-2, *rows)
+        block = _ranges_of(block, -2, rows)
     if block.shape[-1] != 1:
-        block = block.narrow(-1, *columns)
+        block = _ranges_of(block, -1, columns)
     if block.dtype == torch.bool:
         return torch.zeros(block.shape, dtype=dtype, device=block.device).masked_fill(~block, float("-inf"))
     return block.to(dtype)
+
+
+def _ranges_of(x, dim: int, ranges: list[tuple[int, int]]):
+    pieces = [x.narrow(dim, *span) for span in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def _block_forward(q, k, v, mask, causal: bool, scale):
@@ -136,31 +147,81 @@ def _merge(out, lse, block_out, block_lse):
     """Two partial attentions over disjoint key sets as one, in fp32; rows masked in both stay zero."""
     dtype = _accumulated(block_out.dtype)
     block_out, block_lse = block_out.to(dtype), block_lse.to(dtype)
-    if out is None:
-        return block_out, block_lse
     merged = torch.logaddexp(lse, block_lse)
     finite = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
     return (out * (lse - finite).exp().unsqueeze(-1) + block_out * (block_lse - finite).exp().unsqueeze(-1),
             merged)
 
 
-def _hidden(is_causal: bool, block: int, rank: int) -> bool:
-    return is_causal and block > rank
+def _visible_parts(rank: int, block: int, is_causal: bool, head_tail: bool, length: int, kv_length: int) -> list:
+    """The parts of the attention of rank ``rank``'s query block over the key/value block of ring rank
+    ``block`` that a causal mask leaves visible, each ``(query rows, key rows, causal within)`` with the
+    rows as ``(start, length)`` of the local blocks. Contiguous blocks: blocks before the rank's whole,
+    its own causal, those after hidden. Head-tail blocks (chunks i and 2R - 1 - i): its own causal; an
+    earlier rank's first chunk to all the rank's queries; a later rank's whole block to the rank's second
+    chunk: every rank computes the same."""
+    everything = ((0, length), (0, kv_length))
+    if not is_causal:
+        return [(*everything, False)]
+    if block == rank:
+        return [(*everything, True)]
+    if not head_tail:
+        return [(*everything, False)] if block < rank else []
+    if block < rank:
+        return [((0, length), (0, kv_length // 2), False)]
+    return [((length // 2, length - length // 2), (0, kv_length), False)]
 
 
-def _span(length: int, block: int) -> tuple[int, int]:
-    return block * length, length
+def causal_work(ring: int, length: int, head_tail: bool) -> list[float]:
+    """The query x key elements each rank of a ring of ``ring`` computes for a causal self-attention over
+    ``length`` positions (a part causal within counts half)."""
+    local = length // ring
+    return [sum(rows[1] * columns[1] * (0.5 if causal else 1.0)
+                for block in range(ring)
+                for rows, columns, causal in _visible_parts(rank, block, True, head_tail, local, local))
+            for rank in range(ring)]
 
 
-def _ring_forward(q, k, v, attn_mask, is_causal: bool, scale, group_name: str):
+def _positions(block: int, part: tuple[int, int], length: int, size: int, head_tail: bool) -> list[tuple[int, int]]:
+    """The positions in the whole sequence of rows ``part`` (``(start, length)``) of ring rank ``block``'s
+    block of ``length`` rows, as ``(start, length)`` ranges."""
+    start, count = part
+    if not head_tail:
+        return [(block * length + start, count)]
+    half = length // 2
+    chunks = ((0, block * half), (half, (2 * size - 1 - block) * half))  # (first local row, its position)
+    found = []
+    for first, position in chunks:
+        low, high = max(start, first), min(start + count, first + half)
+        if low < high:
+            found.append((position + low - first, high - low))
+    return found
+
+
+def _parts(rank: int, block: int, q, k, attn_mask, is_causal: bool, head_tail: bool, size: int):
+    """Each visible part (``_visible_parts``) with its rows and the mask's block for it."""
+    length, kv_length = q.shape[-2], k.shape[-2]
+    for rows, columns, causal in _visible_parts(rank, block, is_causal, head_tail, length, kv_length):
+        mask = _mask_block(attn_mask, _positions(rank, rows, length, size, head_tail),
+                           _positions(block, columns, kv_length, size, head_tail), q.dtype)
+        yield rows, columns, causal, mask
+
+
+def _ring_forward(q, k, v, attn_mask, is_causal: bool, scale, head_tail: bool, group_name: str):
     rank, size = ring_rank(group_name)
-    out = lse = None
+    dtype = _accumulated(q.dtype)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     for step in range(size):
         block = (rank - step) % size
         arriving = ring_shift([k, v], group_name, tag=0) if step + 1 < size else None
-        if not _hidden(is_causal, block, rank):
-            mask = _mask_block(attn_mask, _span(q.shape[-2], rank), _span(k.shape[-2], block), q.dtype)
-            out, lse = _merge(out, lse, *_block_forward(q, k, v, mask, is_causal and block == rank, scale))
+        for rows, columns, causal, mask in _parts(rank, block, q, k, attn_mask, is_causal, head_tail, size):
+            part = _block_forward(q.narrow(-2, *rows), k.narrow(-2, *columns), v.narrow(-2, *columns), mask, causal,
+                                  scale)
+            out_rows, lse_rows = out.narrow(-2, *rows), lse.narrow(-1, *rows)
+            merged_out, merged_lse = _merge(out_rows, lse_rows, *part)
+            out_rows.copy_(merged_out)
+            lse_rows.copy_(merged_lse)
         if arriving is not None:
             k, v = arriving()
     # a row the mask hides from every key: output 0 and log-sum-exp 0, as torch's kernels leave it, so
@@ -168,7 +229,7 @@ def _ring_forward(q, k, v, attn_mask, is_causal: bool, scale, group_name: str):
     return out.to(q.dtype), lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _ring_backward(grad, q, k, v, out, lse, attn_mask, is_causal: bool, scale, group_name: str):
+def _ring_backward(grad, q, k, v, out, lse, attn_mask, is_causal: bool, scale, head_tail: bool, group_name: str):
     rank, size = ring_rank(group_name)
     dtype = _accumulated(q.dtype)
     grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -177,14 +238,14 @@ def _ring_backward(grad, q, k, v, out, lse, attn_mask, is_causal: bool, scale, g
     for step in range(size):
         block = (rank - step) % size
         arriving = ring_shift([k, v], group_name, tag=0) if step + 1 < size else None
-        if _hidden(is_causal, block, rank):
-            grads = (None, torch.zeros(k.shape, dtype=dtype, device=k.device),
-                     torch.zeros(v.shape, dtype=dtype, device=v.device))
-        else:
-            mask = _mask_block(attn_mask, _span(q.shape[-2], rank), _span(k.shape[-2], block), q.dtype)
-            grads = _block_backward(grad, q, k, v, out, lse, mask, is_causal and block == rank, scale)
-            grad_q += grads[0]
-        kv_grads = [g.to(dtype) for g in grads[1:]]
+        kv_grads = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (k, v)]
+        for rows, columns, causal, mask in _parts(rank, block, q, k, attn_mask, is_causal, head_tail, size):
+            grads = _block_backward(grad.narrow(-2, *rows), q.narrow(-2, *rows), k.narrow(-2, *columns),
+                                    v.narrow(-2, *columns), out.narrow(-2, *rows), lse.narrow(-1, *rows), mask,
+                                    causal, scale)
+            grad_q.narrow(-2, *rows).add_(grads[0])
+            for total, part in zip(kv_grads, grads[1:]):
+                total.narrow(-2, *columns).add_(part)
         if step == 0:
             own = kv_grads
         else:
@@ -208,38 +269,39 @@ def ring_attention_ops() -> tuple:
 def _ring_ops():
     @torch.library.custom_op("ulysses_compile::ring_attention", mutates_args=())
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                scale: float | None, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float | None, head_tail: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(q.device.type, enabled=False):  # the caller's autocast reaches an op's body
-            out, lse = _ring_forward(q, k, v, attn_mask, is_causal, scale, group_name)
+            out, lse = _ring_forward(q, k, v, attn_mask, is_causal, scale, head_tail, group_name)
         return out.contiguous(), lse.contiguous()
 
     @forward.register_fake
-    def _(q, k, v, attn_mask, is_causal, scale, group_name):
+    def _(q, k, v, attn_mask, is_causal, scale, head_tail, group_name):
         return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=_accumulated(q.dtype))
 
     @torch.library.custom_op("ulysses_compile::ring_attention_backward", mutates_args=())
     def backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
-                    group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    head_tail: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.autocast(q.device.type, enabled=False):
-            grads = _ring_backward(grad.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale, group_name)
+            grads = _ring_backward(grad.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale, head_tail,
+                                   group_name)
         return tuple(g.contiguous() for g in grads)
 
     @backward_op.register_fake
-    def _(grad, q, k, v, out, lse, attn_mask, is_causal, scale, group_name):
+    def _(grad, q, k, v, out, lse, attn_mask, is_causal, scale, head_tail, group_name):
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     def save(ctx, inputs, output):
-        q, k, v, attn_mask, is_causal, scale, group_name = inputs
+        q, k, v, attn_mask, is_causal, scale, head_tail, group_name = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-        ctx.settings = (is_causal, scale, group_name)
+        ctx.settings = (is_causal, scale, head_tail, group_name)
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, grad, _grad_lse):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         grad_q, grad_k, grad_v = backward_op(grad, q, k, v, out, lse, attn_mask, *ctx.settings)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
     forward.register_autograd(backward, setup_context=save)
     return torch.ops.ulysses_compile

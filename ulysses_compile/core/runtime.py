@@ -78,7 +78,7 @@ def repeat_heads(x, head_axis: int, repeat: int):
 
 
 def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: int, inner: int, rank,
-                  world_size: int):
+                  world_size: int, head_tail: int = 0):
     """Dropout of this rank's block with its part of one mask over the whole tensor, computing only the
     block's part: two seeds drawn from the generator (the same on every rank where the generators agree)
     and an element kept where a hash of the seeds and its position in the whole tensor is at least ``p``.
@@ -92,7 +92,7 @@ def dropout_block(x, p: float, training: bool, shape: tuple, dim: int, outer: in
     if p == 1:
         return x * 0
     seeds = torch.randint(0, 2**32, (2,), device=x.device)
-    positions = block_positions(x, shape, dim, outer, inner, rank, world_size)
+    positions = block_positions(x, shape, dim, outer, inner, rank, world_size, head_tail)
     hashed = _hash32(_hash32((positions & _LOW_32) ^ seeds[0]) ^ (positions >> 32) ^ seeds[1])
     keep = (hashed >> 8).to(torch.float32) * 2.0**-24 >= p  # 24 bits: exact in float32, uniform in [0, 1)
     return x * keep / (1 - p)

@@ -40,13 +40,15 @@ heads use (``gather_kv_heads``). A repeat of KV heads written in the model (HF
 each all-to-all is the inverse all-to-all (torch's autograd of all_to_all_single).
 
 A site planned with a ring (``detect_attention``: more ranks than heads, or ranks on several nodes) has
-its heads split over Ulysses groups of U consecutive ranks, each holding a contiguous chunk S/R of the
-sequence, and its keys and values travel round a ring of the R ranks at one place in every group
-(``sequence_subgroups``). At 4 ranks and 2 heads (U = 2, R = 2)::
+its heads split over Ulysses groups of U consecutive ranks, each holding a chunk S/R of the sequence
+(contiguous, or chunks i and 2R - 1 - i of 2R in the head-tail layout, ``plan_sequence_layout``), and
+its keys and values travel round a ring of the R ranks at one place in every group
+(``sequence_subgroups``). At 4 ranks and 2 heads (U = 2, R = 2), head-tail::
 
     rank_u = rank_of_group(heads_group, device)
     qkv_h = seq_to_heads_qkv(q, k, v, 2, 1, S/R, S/R, rank_u, U, heads_group)  # [B, H/U, S/R, D]
-    out_h = ring_attention(qkv_h[0], qkv_h[1], qkv_h[2], attn_mask=mask, is_causal=True, group_name=ring_group)
+    out_h = ring_attention(qkv_h[0], qkv_h[1], qkv_h[2], attn_mask=mask, is_causal=True, group_name=ring_group,
+                           head_tail=True)
     out = heads_to_seq(out_h, 2, 1, H, rank_u, U, heads_group)             # [B, H, S/P, D]
 
 Key/value heads the model repeats travel un-repeated (the ring's kernel broadcasts them); with U = 1
@@ -88,7 +90,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
             _to_heads_and_back(graph, replace(site, seq_len=site.seq_len // site.ring,
                                               kv_seq_len=site.kv_seq_len // site.ring),
                                ctx.within_ulysses(site.ulysses, ulysses_group))
-        site.form.to_ring(site, ring_group)
+        site.form.to_ring(site, ring_group, bool(ctx.head_tail))
 
 
 def _to_heads_and_back(graph: fx.Graph, site, ctx) -> None:

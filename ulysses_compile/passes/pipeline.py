@@ -7,6 +7,7 @@ into the graph's report. The phases::
     open checkpointed regions, recognize attention forms     (every graph)
     drop dead values, detect attention -> sites              (decides: split, or run replicated)
     propagate placements -> fallbacks                        (split graphs only)
+    plan the sequence layout -> contiguous or head-tail
     localize ops, redistribute -> gathered and sharded outputs, tile token losses, tile MLPs,
     average data-parallel gradients, merge ZeRO's gradient reductions, regather parameters,
     return the LM head weight's inputs, all-to-alls around each site, check local shapes, recompute tags
@@ -21,6 +22,7 @@ import functools
 import inspect
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -50,6 +52,7 @@ from ulysses_compile.passes.inline_checkpoint_regions import inline_checkpoint_r
 from ulysses_compile.passes.insert_all_to_all import insert_all_to_all
 from ulysses_compile.passes.localize_ops import localize_ops
 from ulysses_compile.passes.merge_gradient_reductions import merge_gradient_reductions
+from ulysses_compile.passes.plan_sequence_layout import plan_sequence_layout
 from ulysses_compile.passes.propagate_sharding import propagate_sharding
 from ulysses_compile.passes.recognize_causal_mask import recognize_causal_mask
 from ulysses_compile.passes.recognize_flash_attention import recognize_flash_attention
@@ -129,6 +132,9 @@ def _sized_by_data(report: GraphReport, error: Exception) -> GraphReport:
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
     report.replicated_draws = _replicated_draws(gm)
+    layout = _run(report, plan_sequence_layout, gm, ctx, sites)
+    report.head_tail, report.layout = layout.head_tail, layout.why
+    ctx = replace(ctx, head_tail=layout.head_tail)
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)
     report.gathered_outputs, report.sharded_outputs = outputs.gathered, outputs.sharded

@@ -123,7 +123,7 @@ class _Redistributor:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
             node = self._insert(gather_seq, (node, dim, outer, inner, length, ctx.rank_for(node.graph, length), ctx.world_size,
-                                             ctx.group_name), node, REPLICATE, before)
+                                             ctx.group_name, *ctx.layout_args()), node, REPLICATE, before)
             have = REPLICATE
         if have == want:
             return node
@@ -131,13 +131,16 @@ class _Redistributor:
             raise InternalError(f"a rule asked for {node.name} as a partial sum, which no conversion produces")
         dim, outer, inner = seq_factors(want)
         rank = ctx.rank_for(node.graph, sharding_of(node).global_value.shape[dim] // (outer * inner))
-        return self._insert(scatter_seq, (node, dim, outer, inner, rank, ctx.world_size, ctx.group_name),
-                            node, want, before)
+        return self._insert(scatter_seq, (node, dim, outer, inner, rank, ctx.world_size, ctx.group_name,
+                                          *ctx.layout_args()), node, want, before)
 
     def _all_to_all_ok(self, node, have, want) -> bool:
+        """Whether one all-to-all converts: between two sharded dims, the sequence in contiguous blocks
+        (an all-to-all would give the whole sequence in the head-tail layout's order)."""
         value = sharding_of(node).global_value
         return (
-            isinstance(have, Shard)
+            not self.ctx.head_tail
+            and isinstance(have, Shard)
             and isinstance(want, Shard)
             and isinstance(value, torch.Tensor)
             and value.shape[want.dim] >= self.ctx.world_size
@@ -252,7 +255,8 @@ def _redistribute_outputs(output: fx.Node, redistributor: _Redistributor, ctx, w
         if not why:
             dim, outer, inner = seq_factors(completed(have))
             length = shape[dim] // (outer * inner)
-            found.sharded[position] = SequenceBlocks(dim, outer, inner, None if is_symbolic(length) else length)
+            found.sharded[position] = SequenceBlocks(dim, outer, inner, None if is_symbolic(length) else length,
+                                                     ctx.head_tail)
             return redistributor.to(arg, have, completed(have), before, version)
         found.gathered.append(f"{arg.name} {shape} leaves the graph sequence-sharded and is gathered: {why}")
         log.info("ulysses_compile: %s", found.gathered[-1])

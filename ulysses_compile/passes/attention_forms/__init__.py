@@ -47,8 +47,9 @@ class AttentionForm:
         """Why the site cannot run as a ring over ``world_size`` ranks' blocks of the sequence, or None."""
         return f"ring attention runs scaled_dot_product_attention calls so far, not {site.spelling}"
 
-    def to_ring(self, site: AttentionSite, group_name: str) -> None:
-        """Turn the call on the rank's heads into ring attention round the ring ``group_name``."""
+    def to_ring(self, site: AttentionSite, group_name: str, head_tail: bool) -> None:
+        """Turn the call on the rank's heads into ring attention round the ring ``group_name``, its blocks
+        in the head-tail layout where ``head_tail``."""
         raise NotImplementedError
 
     def on_rank_heads(self, site: AttentionSite, ctx) -> None:

@@ -62,12 +62,13 @@ class ScaledDotProductAttention(AttentionForm):
                 return f"its sequence of {length} positions does not split in {world_size} blocks of one size"
         return None
 
-    def to_ring(self, site, group_name):
+    def to_ring(self, site, group_name, head_tail: bool):
         args = sdpa_arguments(site.node)
         site.node.target = ring_attention
         site.node.args = (args["query"], args["key"], args["value"])
         site.node.kwargs = {"attn_mask": args.get("attn_mask"), "is_causal": bool(args.get("is_causal", False)),
-                            "scale": args.get("scale"), "group_name": group_name}
+                            "scale": args.get("scale"), "group_name": group_name,
+                            **({"head_tail": True} if head_tail else {})}
 
     def on_rank_heads(self, site, ctx) -> None:
         super().on_rank_heads(site, ctx)

@@ -36,6 +36,24 @@ class Decision:
     copies: bool = False
 
 
+# Localizations written for the sequence in contiguous blocks (a row's neighbour is the next rank's),
+# with what they do: where one runs, the graph keeps contiguous blocks (``plan_sequence_layout``).
+_CONTIGUOUS_ONLY: dict[Callable, str] = {}
+
+
+def contiguous_blocks_only(what: str) -> Callable[[Callable], Callable]:
+    def wrap(fn: Callable) -> Callable:
+        _CONTIGUOUS_ONLY[fn] = what
+        return fn
+
+    return wrap
+
+
+def needs_contiguous_blocks(localize: Callable | None) -> str | None:
+    """What a node's localization does that holds for contiguous blocks only, or None."""
+    return _CONTIGUOUS_ONLY.get(getattr(localize, "func", localize))
+
+
 def register(*targets, permuted: bool = False) -> Callable[[Rule], Rule]:
     """Targets are functions (``call_function``) or method names (``call_method``); ``permuted``
     registers the rule for nodes that read rows in a rank's own order."""

@@ -117,7 +117,8 @@ def _localize_dropout(node, sharding, ctx) -> None:
     shape = size_arg(node.graph, tuple(sharding.global_value.shape), before=node)
     dim, outer, inner = seq_factors(sharding.output)
     rank = ctx.rank_for(node.graph, sharding.global_value.shape[dim] // (outer * inner))
-    node.args = (args["input"], args["p"], args["training"], shape, dim, outer, inner, rank, ctx.world_size)
+    node.args = (args["input"], args["p"], args["training"], shape, dim, outer, inner, rank, ctx.world_size,
+                 *ctx.layout_args())
     node.kwargs = {}
 
 

@@ -44,7 +44,7 @@ from ulysses_compile.core.sharding import (
     with_dim,
 )
 from ulysses_compile.core.sizes import is_symbolic, same_size, size_arg
-from ulysses_compile.passes.rules import Decision, register
+from ulysses_compile.passes.rules import Decision, contiguous_blocks_only, register
 
 # The op tables the rules register and sequence_dims.py walks back through.
 VIEWS = spellings("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as")
@@ -433,6 +433,7 @@ def _sequence_slice(view, placement, length, entries, position, out_dim, source)
     return Decision(with_dim(placement, out_dim), {source: placement}, localize, copies=True)
 
 
+@contiguous_blocks_only("a slice of the sequence, whose rows move between neighbouring blocks")
 def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position, dim, held, wanted) -> None:
     source = node.args[0]
     moved = insert_call(node.graph, reblock_seq, (source, dim, held, wanted, ctx.rank, ctx.world_size, ctx.group_name),
@@ -446,6 +447,7 @@ def _localize_sequence_slice(node: fx.Node, sharding, ctx, *, entries, position,
     place(node, NodeSharding(sharding.output, sharding.global_value, {moved: Shard(dim)}))
 
 
+@contiguous_blocks_only("rows at fixed positions, taken by the rank whose block holds them")
 def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out_dim, owner, rows, length) -> None:
     """``x[..., a:b, ...]`` inside the block of rank ``owner``: it takes its rows, the other ranks
     contribute zeros connected to ``x`` (so every rank's backward runs the same collectives)."""
@@ -455,6 +457,7 @@ def _localize_owned_rows(node: fx.Node, sharding, ctx, *, entries, position, out
     _owner_takes(node, sharding, ctx, entries, position, owner, length, zero_rows, out_dim, count)
 
 
+@contiguous_blocks_only("one position, taken by the rank whose block holds it")
 def _localize_position(node: fx.Node, sharding, ctx, *, entries, position, out_dim, length) -> None:
     """``x[..., i, ...]`` at one sequence position: its owner takes it, the other ranks contribute zeros,
     so the partial values sum to the global result (pooling on the first or last token). Elsewhere the
@@ -629,6 +632,7 @@ def _shift_by_cat(view, first, second, dim: int) -> Decision | None:
     return Decision(view.placement(source), {fill: REPLICATE, body: view.placement(body)}, localize)
 
 
+@contiguous_blocks_only("a shift along the sequence, rows taken from the neighbouring block")
 def _localize_cat_shift(node: fx.Node, sharding, ctx, *, source, head, body, dim, shift) -> None:
     _become(node, _shift_call(node, ctx, source, dim, shift, head), sharding, {source: Shard(dim), head: REPLICATE})
     erase_unused(body)
@@ -639,6 +643,7 @@ def _shift_fits(view, length, shift: int) -> bool:
     return not is_symbolic(length) and 0 < abs(shift) <= min(block_sizes(length, view.world_size))
 
 
+@contiguous_blocks_only("a shift along the sequence, rows taken from the neighbouring block")
 def _localize_shift(node: fx.Node, sharding, ctx, *, dim, shift, fill, sequence_pad) -> None:
     """The shift as ``shift_seq`` on the rank's block: the node itself becomes the exchange (roll, or a pad of
     the sequence alone), or a pad of other dims too runs on the exchange's result, its sequence entries
