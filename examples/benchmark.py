@@ -270,14 +270,17 @@ def on_ranks(config: str, measure: str, world_size: int, seq_len: int, steps: in
     return worst_rank(results, ranks)
 
 
-def worst_rank(results, ranks: int) -> dict:
+def worst_rank(results, ranks: int, spread: tuple[str, ...] = ()) -> dict:
     """The figures ``ranks`` ranks put in ``results`` as rank 0's, with the slowest time and the largest
-    memory of any rank."""
+    memory of any rank, and for each figure named in ``spread`` its (smallest, largest) over the ranks."""
     per_rank = [figures for _, figures in sorted(results.get() for _ in range(ranks))]
     worst = dict(per_rank[0])
     for name in ("seconds", "peak_bytes"):
         if name in worst:
             worst[name] = max(figures[name] for figures in per_rank)
+    for name in spread:
+        values = [figures[name] for figures in per_rank]
+        worst[name] = (min(values), max(values))
     return worst
 
 

@@ -418,7 +418,7 @@ def test_plan_sequence_layout(fake_group):
     report = gm.meta["ulysses_report"]
     assert report.graphs["plan_sequence_layout"] == report.graphs["propagate_sharding"]
     taken = [line.strip() for line in _lines(report.graphs["redistribute"]) if "scatter_seq" in line]
-    assert_expected_inline("\n".join([report.layout, *taken]), """\
+    assert_expected_inline("\n".join([report.sequence_layout, *taken]), """\
 head-tail over a ring of 2 (ring place i holds chunks i and 3 - i of 4): every attention runs as a causal ring of 2
 scatter_seq = ulysses_compile_core_collectives_scatter_seq(l_x_, dim = 1, outer = 1, inner = 1, rank = rank, world_size = 4, group_name = '0', head_tail = 2)
 linear = torch._C._nn.linear(scatter_seq, sync_grad, None)""")

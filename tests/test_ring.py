@@ -137,7 +137,7 @@ def _plan_and_collectives(reports, world_size: int, ring: int, head_tail: int) -
     assert sites and all((site.ulysses, site.ring) == (world_size // ring, ring) for site in sites), \
         [site.summary() for site in sites]
     assert all(report.head_tail == head_tail for report in reports if report.attention_sites), \
-        [report.layout for report in reports]
+        [report.sequence_layout for report in reports]
     kinds = [call.kind for report in reports for call in report.collectives]
     assert kinds.count("ring_attention") == len(sites), kinds
     to_heads = kinds.count("seq_to_heads_qkv") + kinds.count("seq_to_heads")
@@ -158,7 +158,11 @@ RING_FORMS = {
     "nn_mha_key_padding": (4, 0),
     "llama_mqa": (4, 4),
     "llama_6_heads_gqa_3": (4, 4),
+    # hand-written, as the SDPA call it computes: an additive causal mask; masked_fill(-inf), a boolean one
+    "llama_eager_gqa_gathered": (2, 0),
+    "nanogpt_manual": (4, 0),
 }
+HAND_WRITTEN = ("llama_eager_gqa_gathered", "nanogpt_manual")
 
 
 def ring_forms_equal_to_eager(rank, world_size, names):
@@ -179,7 +183,16 @@ def ring_forms_equal_to_eager(rank, world_size, names):
 
 @pytest.mark.multirank
 def test_attention_forms_under_a_ring_equal_to_eager():
-    run_ranks(ring_forms_equal_to_eager, 4, sorted(RING_FORMS))
+    run_ranks(ring_forms_equal_to_eager, 4, sorted(set(RING_FORMS) - set(HAND_WRITTEN)))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [
+    "llama_eager_gqa_gathered",
+    pytest.param("nanogpt_manual", marks=pytest.mark.slow),  # the suite's time; the Llama's runs in it
+])
+def test_hand_written_attention_under_a_ring_equal_to_eager(name):
+    run_ranks(ring_forms_equal_to_eager, 4, [name])
 
 
 def llama_planned_equal_to_eager(rank, world_size, heads, kv_heads, ring, padded, compiler):
@@ -362,12 +375,12 @@ def test_a_ring_option_that_fits_no_plan_is_an_error_naming_the_rings_that_do(fa
     assert isinstance(raised.value.inner_exception, DivisibilityError)
     assert "option ring=2 over 4 ranks" in str(raised.value.inner_exception)
     assert "choose a ring of 4 ranks" in str(raised.value.inner_exception)
-    eager = tiny_llama(heads=4, kv_heads=4, layers=1)
-    eager.config._attn_implementation = "eager"  # hand-written softmax(q k^T) v: no ring yet
+    model, args, einsum_kwargs = FORMS["einsum_bshd"]()
     torch.compiler.reset()
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="option ring=2: this attention cannot run "
-                       "as a ring: ring attention runs scaled_dot_product_attention calls so far, not matmul_softmax"):
-        rewritten_graphs(eager, (), kwargs, ring=2)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"option ring=2: this attention cannot run "
+                       r"as a ring: einsum_softmax on \[B, S, H, D\]: only q @ k\^T and @ v on \[B, H, S, D\] run "
+                       r"as one attention call"):
+        rewritten_graphs(model, args, einsum_kwargs, ring=2)
     for bad in (0, 1.5, True):
         with pytest.raises(OptionsError, match="option ring="):
             Options.parse({"ring": bad})
@@ -405,8 +418,8 @@ def test_sequence_layout_plan(fake_group):
 
     gm = layout()
     report = gm.meta["ulysses_report"]
-    assert report.head_tail == 2 and report.layout.startswith("head-tail over a ring of 2 (ring place i holds "
-                                                               "chunks i and 3 - i of 4)"), report.layout
+    assert report.head_tail == 2 and report.sequence_layout.startswith("head-tail over a ring of 2 (ring place i holds "
+                                                               "chunks i and 3 - i of 4)"), report.sequence_layout
     assert calls(gm, scatter_seq) and all(node.kwargs["head_tail"] == 2 for node in calls(gm, scatter_seq))
     (ring,) = [node for node in gm.graph.nodes if node.op == "call_function"
                and getattr(node.target, "__name__", "") == "ring_attention"]
@@ -418,7 +431,24 @@ def test_sequence_layout_plan(fake_group):
                                "of one size (a multiple of 8 does)"),
     ]:
         report = layout(**options).meta["ulysses_report"]
-        assert report.head_tail == 0 and report.layout.startswith(
-            "contiguous blocks, so a causal ring's work is uneven: ") and reason in report.layout, report.layout
+        assert report.head_tail == 0 and report.sequence_layout.startswith(
+            "contiguous blocks, so a causal ring's work is uneven: ") and reason in report.sequence_layout, report.sequence_layout
     with pytest.raises(OptionsError, match="option layout='zigzag': expected 'auto'"):
         Options.parse({"layout": "zigzag"})
+
+
+def test_hand_written_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
+    """A Llama's eager attention with more ranks than heads: its products, scaling, mask and softmax
+    become the one scaled_dot_product_attention call they compute, planned as a ring (exact and parallel
+    in ``test_hand_written_attention_under_a_ring_equal_to_eager``)."""
+    from graphs import rewritten_graphs
+
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    eager = tiny_llama(heads=2, kv_heads=2, layers=1)
+    eager.config._attn_implementation = "eager"
+    (gm,) = rewritten_graphs(eager, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    (site,) = gm.meta["ulysses_report"].attention_sites
+    assert (site.spelling, site.ulysses, site.ring) == ("matmul_softmax as scaled_dot_product_attention", 2, 2)
+    targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
+    assert targets.count("ring_attention") == 1 and "softmax" not in targets and "matmul" not in targets, targets

@@ -29,7 +29,7 @@ if __name__ == "__main__":
     want.loss.backward()
     sites = [site for report in reports for site in report.attention_sites]
     assert sites and all((site.ulysses, site.ring) == (2, 2) for site in sites), [site.summary() for site in sites]
-    assert all(report.head_tail == 2 for report in reports if report.attention_sites), [r.layout for r in reports]
+    assert all(report.head_tail == 2 for report in reports if report.attention_sites), [r.sequence_layout for r in reports]
     kinds = [call.kind for report in reports for call in report.collectives]
     assert kinds.count("ring_attention") == kinds.count("heads_to_seq") == len(sites), kinds
     compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})

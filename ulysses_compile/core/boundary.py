@@ -62,8 +62,9 @@ from ulysses_compile.core.sizes import is_symbolic
 @dataclass(frozen=True)
 class SequenceBlocks:
     """How an output leaves the graph: its dim ``dim`` read as ``[outer, S, inner]``, the sequence S in
-    the ranks' balanced blocks (or the head-tail layout's, ``collectives.head_tail_positions``). ``length`` is S for a graph compiled for one length, None for one
-    compiled for every length (then P divides S, ``even_blocks``)."""
+    the ranks' balanced blocks (or the head-tail layout's, ``collectives.head_tail_positions``).
+    ``length`` is S for a graph compiled for one length, None for one compiled for every length (then
+    P divides S, ``even_blocks``)."""
 
     dim: int
     outer: int

@@ -3,7 +3,8 @@
 Each function is an ordinary differentiable torch function built from torch's functional collectives
 (``_c10d_functional`` ops followed by ``wait_tensor``), so AOTAutograd traces it into the forward graph,
 derives its backward, and Inductor sees (and can reorder) real collective ops. Blocks follow
-``sharding.block_sizes``: balanced, uneven when P does not divide the dim. ``rank`` is an int, or the
+``sharding.block_sizes``: balanced, uneven when P does not divide the dim; in the head-tail layout
+(``head_tail``: the ring's size R) a rank's block holds two chunks of 2R (``head_tail_positions``). ``rank`` is an int, or the
 0-dim tensor ``rank_of_group`` reads when the graph runs (blocks of one size only); ``mesh_group_name``
 gives a mesh dim's groups one name on every rank. The backward of each placement change is chosen so
 that every rank ends up with single-device gradients:
@@ -195,18 +196,17 @@ def rank_node(graph: fx.Graph, group_name: str) -> fx.Node:
 
 def block_positions(block: torch.Tensor, shape, dim, outer, inner, rank, world_size, head_tail: int = 0) -> torch.Tensor:
     """The flat position, in a contiguous whole tensor of ``shape``, of every element of this rank's
-    sequence block ``block`` (int64, ``block``'s shape): computed from aranges of the block's sizes, so
-    nothing of the whole tensor's size is made."""
+    sequence block ``block`` (int64, ``block``'s shape; ``head_tail``: the block of that layout): computed
+    from aranges of the block's sizes, so nothing of the whole tensor's size is made."""
     split = _split_seq(block.shape, dim, outer, inner)
     whole = _split_seq(shape, dim, outer, inner)
-    start, _ = block_range(whole[dim + 1], world_size, rank)
     positions = torch.zeros((), dtype=torch.int64, device=block.device)
     stride = 1
     for axis in reversed(range(len(split))):
         index = torch.arange(split[axis], dtype=torch.int64, device=block.device)
         if axis == dim + 1:
             index = head_tail_positions(whole[axis], world_size, head_tail, rank, block.device) if head_tail \
-                else index + start
+                else index + block_range(whole[axis], world_size, rank)[0]
         positions = positions + (index * stride).view([-1] + [1] * (len(split) - 1 - axis))
         stride = stride * whole[axis]
     return positions.reshape(block.shape)
@@ -547,7 +547,7 @@ COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_
 def sequence_subgroups(group_name: str, ulysses: int) -> tuple[str | None, str]:
     """The names of this rank's two subgroups of the group ``group_name`` under a plan of Ulysses over
     ``ulysses`` ranks and a ring over the rest: its Ulysses group (the ``ulysses`` consecutive ranks
-    holding one contiguous chunk of the sequence; None for one rank) and its ring group (the ranks at
+    holding one chunk of the sequence, in the graph's layout; None for one rank) and its ring group (the ranks at
     its own place in every Ulysses group, one per chunk). Created on first use by their members, under
     names the same on every rank of the group (so the ranks' code is one, and the members meet)."""
     parent = _resolve_process_group(group_name)

@@ -42,7 +42,7 @@ class PassContext:
         """The context of an attention whose heads split over this rank's Ulysses group of ``ulysses``
         consecutive ranks (``group_name``), a ring running over the groups."""
         return replace(self, world_size=ulysses, rank=self.rank % ulysses, group_name=group_name,
-                       ring=self.world_size // ulysses)
+                       ring=self.world_size // ulysses, head_tail=0)
 
     def layout_args(self) -> tuple:
         """The trailing argument a call that takes or gathers sequence blocks gets in a head-tail layout

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch.fx as fx
 
-from ulysses_compile.core.compat import copy_recompute_tag
+from ulysses_compile.core.compat import FakeTensor, copy_recompute_tag
 from ulysses_compile.core.ops import in_place_operators
 
 
@@ -44,6 +44,25 @@ def insert_part(node: fx.Node, op: str, target, args: tuple, kwargs: dict | None
     new.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
     copy_recompute_tag(node, new)
     return new
+
+
+def fill_example_values(new_nodes: list[fx.Node], node: fx.Node) -> None:
+    """Example values (fake tensors) and ``node``'s module and source for nodes inserted in its place, in
+    order."""
+    # The mode of the example values themselves: the tracing context may hold another one by now.
+    mode = next(n.meta["example_value"].fake_mode for n in node.all_input_nodes
+                if isinstance(n.meta["example_value"], FakeTensor))
+    with mode:
+        for new in new_nodes:
+            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta["example_value"])
+            if new.op == "call_method":
+                value = getattr(args[0], new.target)(*args[1:], **kwargs)
+            else:
+                value = new.target(*args, **kwargs)
+            new.meta["example_value"] = value
+            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
 
 
 def erase_unused(node: fx.Node) -> None:

@@ -70,7 +70,7 @@ class GraphReport:
     # how the ranks hold the sequence (``plan_sequence_layout``): the ring's size in the head-tail layout,
     # 0 for contiguous blocks, and why
     head_tail: int = 0
-    layout: str = ""
+    sequence_layout: str = ""
     pass_seconds: dict[str, float] = field(default_factory=dict)
     captured: str = ""  # the graph's code as Dynamo captured it
     graphs: dict[str, str] = field(default_factory=dict)  # graph code after each pass
@@ -84,8 +84,8 @@ class GraphReport:
         counts: dict[str, int] = {}
         for c in self.collectives:
             counts[c.kind] = counts.get(c.kind, 0) + 1
-        if self.layout:
-            lines.append(f"sequence layout: {self.layout}")
+        if self.sequence_layout:
+            lines.append(f"sequence layout: {self.sequence_layout}")
         lines.append("collectives (forward): " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
         lines += [f"gathered output: {line}" for line in self.gathered_outputs]
         lines += [f"sharded output: output {position} leaves sharded on dim {blocks.dim}" + (
@@ -175,7 +175,8 @@ class Report:
         lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
         lines += [f"  graph {i} runs replicated: {graph.replicated}" for i, graph in enumerate(self.graphs)
                   if graph.replicated]
-        lines += [f"  graph {i} sequence layout: {graph.layout}" for i, graph in enumerate(self.graphs) if graph.layout]
+        lines += [f"  graph {i} sequence layout: {graph.sequence_layout}" for i, graph in enumerate(self.graphs)
+                  if graph.sequence_layout]
         lines.append(f"\nattention sites: {len(self.attention_sites)}")
         lines += [f"  {site}" for site in self.attention_sites]
         lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]

@@ -18,7 +18,7 @@ backward      R - 1 of (k, v), R - 1 of (dk, dv)     dq += ...; dk_j, dv_j added
 Under ``is_causal`` every block j > i is hidden: those steps compute nothing and only pass blocks on
 (a causal mask passed as a tensor, with padding say, is computed block by block), so rank i computes
 i + 1/2 blocks. In the head-tail layout (``head_tail``: rank i holds the chunks i and 2R - 1 - i of
-2R) every rank computes 1 + (R - 1)/2 blocks' worth: its own block causally, the first chunk of each
+2R) every rank computes R/2 blocks' worth: its own block causally, the first chunk of each
 earlier rank's block, and each later rank's block for its second chunk (``_visible_parts``). At most
 two key/value blocks are held at once (the one in use and the one arriving). Key/value heads travel
 as they are (grouped-query attention broadcasts them in the kernel: never repeated copies).

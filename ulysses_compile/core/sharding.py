@@ -5,7 +5,10 @@ r-th of P balanced blocks of dim d: the sequence, or the heads inside attention)
 global value is the sum of the ranks' values), ``PartialScan(d)`` (a cumulative sum along a sharded d,
 each block short of the blocks before it) or ``MergedShard(d, outer, inner)``: dim d merges the
 sequence with other dims, as ``[B, S, V] -> [B*S, V]`` does; viewed as ``[outer, S, inner]`` its S is
-sharded, so a rank holds ``outer`` separate blocks.
+sharded, so a rank holds ``outer`` separate blocks. The sequence's blocks are in the graph's layout
+(``PassContext.head_tail``): contiguous, or head-tail, where the r-th block holds two chunks of 2R
+(``collectives.head_tail_positions``); the rules are the same in both, and the few that need contiguous
+blocks keep the graph in them (``rules.contiguous_blocks_only``).
 
 Mixture-of-experts layers sort their tokens by expert and put them back (ulysses_compile/passes/rules/routing.py).
 Between, a rank holds ``PermutedShard(d, outer, inner, order)``: the rows of its block, permuted in an
@@ -118,8 +121,8 @@ class PermutedShard:
 class RingShard:
     """Inside an attention planned as Ulysses over ``ulysses`` ranks and a ring over the others: rank
     r = i * ulysses + u holds the u-th of ``ulysses`` balanced blocks of dim ``heads`` and, where ``seq``
-    is a dim, the i-th of P / ``ulysses`` blocks of dim ``seq`` (its Ulysses group's chunk of the
-    sequence)."""
+    is a dim, the i-th of P / ``ulysses`` blocks of dim ``seq`` in the graph's layout (its Ulysses group's
+    chunk of the sequence: contiguous, or chunks i and 2R - 1 - i of 2R head-tail)."""
 
     heads: int
     ulysses: int

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.core.compat import FakeTensor
+from ulysses_compile.core.fx_graph import fill_example_values
 from ulysses_compile.core.report import module_path
 
 MHA_PARAMS = list(inspect.signature(F.multi_head_attention_forward).parameters)
@@ -148,27 +148,9 @@ def _inline(gm: fx.GraphModule, node: fx.Node, args: dict) -> None:
     before = set(gm.graph.nodes)
     with gm.graph.inserting_before(node):
         output = multi_head_attention(**tensors, **options).node
-    _fill_meta([n for n in gm.graph.nodes if n not in before], node)
+    fill_example_values([n for n in gm.graph.nodes if n not in before], node)
     for user in list(node.users):
         if user.target is operator.getitem and user.args[1] == 0:
             user.replace_all_uses_with(output)
         gm.graph.erase_node(user)
     gm.graph.erase_node(node)
-
-
-def _fill_meta(new_nodes: list[fx.Node], node: fx.Node) -> None:
-    """Example values (fake tensors) and the call's module and source for the new nodes, in order."""
-    # The mode of the example values themselves: the tracing context may hold another one by now.
-    mode = next(n.meta["example_value"].fake_mode for n in node.all_input_nodes
-                if isinstance(n.meta["example_value"], FakeTensor))
-    with mode:
-        for new in new_nodes:
-            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta["example_value"])
-            if new.op == "call_method":
-                value = getattr(args[0], new.target)(*args[1:], **kwargs)
-            else:
-                value = new.target(*args, **kwargs)
-            new.meta["example_value"] = value
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-                if key in node.meta:
-                    new.meta[key] = node.meta[key]

@@ -108,7 +108,8 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
     heads = ",".join(str(size) for size in block_sizes(site.heads, ulysses))
     plan = f"a ring over {ring} ranks (heads per rank {heads})" if ulysses == 1 else \
         f"Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks"
-    return replace(site, ulysses=ulysses, ring=ring, decision=f"parallelized: {plan}, {why}{_checkpointed(site)}")
+    return replace(site.form.as_ring_site(site), ulysses=ulysses, ring=ring,
+                   decision=f"parallelized: {plan}, {why}{_checkpointed(site)}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -133,7 +133,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
     report.replicated_draws = _replicated_draws(gm)
     layout = _run(report, plan_sequence_layout, gm, ctx, sites)
-    report.head_tail, report.layout = layout.head_tail, layout.why
+    report.head_tail, report.sequence_layout = layout.head_tail, layout.why
     ctx = replace(ctx, head_tail=layout.head_tail)
     _run(report, localize_ops, gm, ctx)
     outputs = _run(report, redistribute, gm, ctx)

@@ -60,9 +60,10 @@ def plan_sequence_layout(gm: fx.GraphModule, ctx, sites: list) -> SequenceLayout
         if len(rings) > 1:
             return _contiguous(f"the attention sites run rings of different sizes ({sorted(rings)})")
         if not any(site.is_causal for site in sites):
-            return SequenceLayout(0, "contiguous blocks: no attention is causal, so every ring place's work is even")
-    elif len(ctx.lazy_head_tail) == 1 and min(ctx.lazy_head_tail) > 1:
-        ring = min(ctx.lazy_head_tail)
+            return SequenceLayout(0, "contiguous blocks: no attention runs is_causal (a mask given as a tensor "
+                                     "computes every block of the ring in either layout)")
+    elif len(ctx.lazy_head_tail) == 1 and 0 not in ctx.lazy_head_tail:
+        (ring,) = ctx.lazy_head_tail
         candidate = "it receives the blocks of the graph before it in that layout"
     else:
         return SequenceLayout(0, "")

@@ -47,6 +47,11 @@ class AttentionForm:
         """Why the site cannot run as a ring over ``world_size`` ranks' blocks of the sequence, or None."""
         return f"ring attention runs scaled_dot_product_attention calls so far, not {site.spelling}"
 
+    def as_ring_site(self, site: AttentionSite) -> AttentionSite:
+        """The site as it runs as a ring (``ring_blocker`` said it can): itself, or the call of a form
+        that has a ring put in the graph in its place."""
+        return site
+
     def to_ring(self, site: AttentionSite, group_name: str, head_tail: bool) -> None:
         """Turn the call on the rank's heads into ring attention round the ring ``group_name``, its blocks
         in the head-tail layout where ``head_tail``."""

@@ -6,7 +6,15 @@ split over the ranks, ``AttentionSite.heads_outer``). The form reads the softmax
 ``q @ k^T`` to ``@ v`` run on the rank's heads (its ``region``, placed by propagation), and its result
 passes through ``attention_output``, an identity marking where the heads end, which becomes the
 all-to-all back to the sequence; a scaling of ``@ v``'s result by a value computed from the scores
-(Granite's sinks) runs on the heads too, the marker after it. Masks and biases it meets are kept whole."""
+(Granite's sinks) runs on the heads too, the marker after it. Masks and biases it meets are kept whole.
+
+Where the site must run as a ring (more ranks than heads, ranks on several nodes), the attention written
+as ``softmax(q @ k^T * scale + masks) @ v`` on ``[B, H, S, D]`` (through casts and a dropout that drops
+nothing: Llama's, Qwen's, Mistral's eager attention; a ``masked_fill(cond, -inf)`` instead of the masks,
+as nanoGPT's) is put in the graph as the one ``scaled_dot_product_attention(q, k, v, attn_mask=mask,
+scale=scale)`` it computes, and runs
+as that call's ring (``as_ring_site``); other spellings (soft-capping, clamps, sinks, merged heads,
+attention weights read elsewhere) keep Ulysses where the heads allow, with the reason."""
 
 from __future__ import annotations
 
@@ -16,12 +24,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.fx_graph import erase_unused, fill_example_values, method_or_function_args
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import attention_output
 from ulysses_compile.core.sharding import Shard, seq_shard
 from ulysses_compile.passes.attention_forms import FORMS, AttentionForm, AttentionSite, Slot, read_site, value_of
+from ulysses_compile.passes.attention_forms.sdpa import SDPA, ring_inputs_blocker
 from ulysses_compile.passes.rules import Decision, register
+from ulysses_compile.passes.rules.pointwise import DROPOUT_PARAMS
 
 SOFTMAX = spellings("softmax")
 MATMUL = spellings("matmul", "bmm")
@@ -341,14 +352,94 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
     return replace(site, output_marker=_mark_output(site))
 
 
+def _sdpa_terms(site: AttentionSite) -> "tuple[float, list[fx.Node], list[fx.Node]] | str":
+    """The scale, the additive masks and the conditions filled with -inf of a site written as
+    ``softmax((q @ k^T * scale + masks).masked_fill(hidden, -inf)) @ v`` on ``[B, H, S, D]`` (casts and a
+    dropout that drops nothing between), or why it is not that."""
+    scores, output = site.scores, site.node
+    if not (_is(scores, MATMUL) and _is(output, MATMUL)) or site.heads_outer > 1 or value_of(scores).dim() != 4 \
+            or site.head_axis != 1:
+        return f"{site.spelling} on {site.layout()}: only q @ k^T and @ v on [B, H, S, D] run as one attention call"
+    scale, masks, hidden, node = 1.0, [], [], scores
+    while not _is(node, SOFTMAX):
+        previous, node = node, _only_reader(node)
+        if isinstance(node, str):
+            return node
+        operands = [arg for arg in node.args if arg is not previous]
+        if _is(node, spellings("mul")) and len(operands) == 1 and isinstance(operands[0], (int, float)):
+            scale *= operands[0]
+        elif _is(node, spellings("div")) and node.args[0] is previous and isinstance(node.args[1], (int, float)):
+            scale /= node.args[1]
+        elif _is(node, spellings("add")) and len(operands) == 1 and isinstance(operands[0], fx.Node) \
+                and node.kwargs.get("alpha", 1) == 1:
+            masks.append(operands[0])
+        elif _is(node, spellings("masked_fill")) and node.args[0] is previous and isinstance(node.args[1], fx.Node) \
+                and node.args[2] == float("-inf"):
+            hidden.append(node.args[1])
+        elif not _is(node, (*CASTS, *spellings("contiguous"), *SOFTMAX)):
+            return (f"{_op_names([node]).pop()} between q @ k^T and the softmax (a ring runs scaling, additive masks "
+                    f"and casts)")
+    while node is not output:
+        previous, node = node, _only_reader(node)
+        if isinstance(node, str):
+            return node
+        dropout = method_or_function_args(node, DROPOUT_PARAMS, {"p": 0.5, "training": True}) \
+            if _is(node, spellings("dropout")) else None
+        if node is output:
+            if _probs_operand(node) is not previous:
+                return "the probabilities are not the first operand of @ v"
+        elif dropout is not None and dropout["p"] != 0 and dropout["training"]:
+            return "its dropout (p > 0 in training) is not drawn per block of a ring"
+        elif dropout is None and not _is(node, (*CASTS, *spellings("contiguous"))):
+            return f"{_op_names([node]).pop()} between the softmax and @ v"
+    if masks and hidden:
+        return "an additive mask and a -inf fill together (one attention call takes one kind of mask)"
+    return scale, masks, hidden
+
+
+def _only_reader(node: fx.Node) -> "fx.Node | str":
+    if len(node.users) != 1:
+        return f"{node.name} between q @ k^T and @ v is read by {len(node.users)} ops (attention weights returned)"
+    return next(iter(node.users))
+
+
 class HandwrittenAttention(AttentionForm):
     """Read from its softmax. Reading a site also marks its output (``attention_output``), the one change
-    to the graph detection makes."""
+    to the graph detection makes, unless it runs as a ring (``as_ring_site``)."""
 
     targets = SOFTMAX
 
     def read(self, node):
         return _read(node)
+
+    def ring_blocker(self, site, world_size):
+        terms = _sdpa_terms(site)
+        if isinstance(terms, str):
+            return terms
+        return ring_inputs_blocker(site, terms[1] + terms[2], world_size)
+
+    def as_ring_site(self, site):
+        """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` in place of the products
+        and what is between them (the mask: the additive masks summed, or the positions no -inf fill
+        hides), read as an SDPA site."""
+        scale, masks, hidden = _sdpa_terms(site)
+        graph, output = site.node.graph, site.node
+        before = set(graph.nodes)
+        with graph.inserting_before(output):
+            mask = None
+            for each in masks:
+                mask = each if mask is None else graph.call_function(operator.add, (mask, each))
+            for each in hidden:
+                mask = each if mask is None else graph.call_function(operator.or_, (mask, each))
+            if hidden:
+                mask = graph.call_function(torch.logical_not, (mask,))
+            call = graph.call_function(torch._C._nn.scaled_dot_product_attention, (
+                site.entering("query"), site.entering("key"), site.entering("value")), {"attn_mask": mask, "scale": scale})
+        fill_example_values([node for node in graph.nodes if node not in before], output)
+        site.output_marker.replace_all_uses_with(call)
+        graph.erase_node(site.output_marker)
+        erase_unused(output)
+        return replace(SDPA.read(call), spelling=f"{site.spelling} as scaled_dot_product_attention")
 
 
 @register(attention_output)

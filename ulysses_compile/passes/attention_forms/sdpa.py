@@ -52,15 +52,7 @@ class ScaledDotProductAttention(AttentionForm):
         if site.is_causal and not same_size(site.seq_len, site.kv_seq_len):
             return "is_causal over a query and a key/value of different lengths"
         mask = site.entering("attn_mask") if "attn_mask" in site.slots else None
-        if isinstance(mask, fx.Node) and global_value_of(mask).requires_grad:
-            return "its mask requires grad (a ring computes no mask gradient)"
-        for length in (site.seq_len, site.kv_seq_len):
-            if not isinstance(length, int):
-                return (f"its sequence length {length} changes between calls (a symbolic size), and a ring runs "
-                        f"fixed lengths so far: compile with dynamic=False (one graph per length)")
-            if length % world_size:
-                return f"its sequence of {length} positions does not split in {world_size} blocks of one size"
-        return None
+        return ring_inputs_blocker(site, [mask] if isinstance(mask, fx.Node) else [], world_size)
 
     def to_ring(self, site, group_name, head_tail: bool):
         args = sdpa_arguments(site.node)
@@ -77,6 +69,20 @@ class ScaledDotProductAttention(AttentionForm):
             site.node.kwargs = {**site.node.kwargs, "rank": ctx.rank_for(site.node.graph)}
 
 
+def ring_inputs_blocker(site, masks: list[fx.Node], world_size: int) -> str | None:
+    """Why the masks or the lengths of a site keep it from running as a ring of ``world_size`` ranks'
+    blocks, or None."""
+    if any(global_value_of(mask).requires_grad for mask in masks):
+        return "its mask requires grad (a ring computes no mask gradient)"
+    for length in (site.seq_len, site.kv_seq_len):
+        if not isinstance(length, int):
+            return (f"its sequence length {length} changes between calls (a symbolic size), and a ring runs "
+                    f"fixed lengths so far: compile with dynamic=False (one graph per length)")
+        if length % world_size:
+            return f"its sequence of {length} positions does not split in {world_size} blocks of one size"
+    return None
+
+
 @register(*SDPA_TARGETS)
 def sdpa_rule(node, view):
     """Sequence-sharded q, k, v in and out; the mask whole (each rank attends over the whole sequence)."""
@@ -91,4 +97,5 @@ def sdpa_rule(node, view):
     return Decision(Shard(seq_axis), demands)
 
 
-FORMS.append(ScaledDotProductAttention())
+SDPA = ScaledDotProductAttention()
+FORMS.append(SDPA)
