@@ -452,3 +452,54 @@ def test_hand_written_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
     assert (site.spelling, site.ulysses, site.ring) == ("matmul_softmax as scaled_dot_product_attention", 2, 2)
     targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
     assert targets.count("ring_attention") == 1 and "softmax" not in targets and "matmul" not in targets, targets
+
+
+class _HandWritten(torch.nn.Module):
+    """softmax(q @ k^T ...) @ v over 4 heads, spelled as ``variant`` says between the products."""
+
+    def __init__(self, variant: str, seq: int = 16, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.register_buffer("keep", torch.ones(seq, seq, dtype=torch.bool).tril())
+        self.register_buffer("bias", torch.randn(heads, seq, seq, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1)
+        if self.variant == "a bias, then a scaling":
+            scores = (scores + self.bias) * 0.5
+        elif self.variant == "a boolean mask added":
+            scores = scores * 0.5 + self.keep
+        elif self.variant == "a fill given by keywords":
+            scores = (scores * 0.5).masked_fill(mask=~self.keep, value=float("-inf"))
+        elif self.variant == "a scaling by a rounded division":
+            scores = torch.div(scores, 2, rounding_mode="floor")
+        return (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("a fill given by keywords", None),
+    ("a bias, then a scaling", "a scaling after a mask (one attention call scales the scores before it adds its mask)"),
+    ("a boolean mask added", "an additive mask of another dtype than q's torch.float32"),
+    ("a scaling by a rounded division", "div between q @ k^T and the softmax"),
+])
+def test_hand_written_attention_runs_as_a_ring_only_where_it_is_the_sdpa_call(fake_group, variant, reason):
+    """Hand-written attention becomes the SDPA call it computes under a forced ring only where it is that
+    call: a scaling after a float bias, a boolean added as 0/1, a rounded division keep it out, with the
+    reason."""
+    from graphs import rewritten_graphs
+    from ulysses_compile import DivisibilityError
+
+    fake_group(4)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    if reason is None:
+        (gm,) = rewritten_graphs(_HandWritten(variant), (x,), ring=2)
+        (site,) = gm.meta["ulysses_report"].attention_sites
+        assert site.spelling == "matmul_softmax as scaled_dot_product_attention" and site.ring == 2, site.summary()
+        return
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        rewritten_graphs(_HandWritten(variant), (x,), ring=2)
+    assert isinstance(raised.value.inner_exception, DivisibilityError)
+    assert f"this attention cannot run as a ring: {reason}" in str(raised.value.inner_exception)

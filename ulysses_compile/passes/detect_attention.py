@@ -7,7 +7,9 @@ Before (a Dynamo graph)::
     out = probs @ v
 
 After: the hand-written result passes through ``attention_output(out)`` (an identity that marks where
-the head-parallel region ends); otherwise the graph is unchanged. It returns a :class:`Detection`: one
+the head-parallel region ends), or, where the site is planned with a ring, the products and what is
+between them become the one ``scaled_dot_product_attention`` call they compute
+(``AttentionForm.as_ring_site``); otherwise the graph is unchanged. It returns a :class:`Detection`: one
 :class:`AttentionSite` per call, read by the form the node belongs to (``ulysses_compile/passes/attention_forms/``),
 with its module path, heads, KV heads, head dim, sequence lengths and mask, and why each softmax or
 attention call that is not a site is not, and each site's plan (``_planned``: Ulysses over every rank,

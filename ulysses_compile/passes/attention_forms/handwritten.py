@@ -8,18 +8,19 @@ passes through ``attention_output``, an identity marking where the heads end, wh
 all-to-all back to the sequence; a scaling of ``@ v``'s result by a value computed from the scores
 (Granite's sinks) runs on the heads too, the marker after it. Masks and biases it meets are kept whole.
 
-Where the site must run as a ring (more ranks than heads, ranks on several nodes), the attention written
+Where the site must run as a ring (more ranks than heads, ranks on several nodes), attention written
 as ``softmax(q @ k^T * scale + masks) @ v`` on ``[B, H, S, D]`` (through casts and a dropout that drops
-nothing: Llama's, Qwen's, Mistral's eager attention; a ``masked_fill(cond, -inf)`` instead of the masks,
-as nanoGPT's) is put in the graph as the one ``scaled_dot_product_attention(q, k, v, attn_mask=mask,
-scale=scale)`` it computes, and runs
-as that call's ring (``as_ring_site``); other spellings (soft-capping, clamps, sinks, merged heads,
-attention weights read elsewhere) keep Ulysses where the heads allow, with the reason."""
+nothing: Llama's, Qwen's, Mistral's eager attention; a ``masked_fill(cond, -inf)`` in place of the
+masks, as nanoGPT's) is put in the graph as the one ``scaled_dot_product_attention(q, k, v,
+attn_mask=mask, scale=scale)`` it computes, and runs as that call's ring (``as_ring_site``); other
+spellings (soft-capping, clamps, sinks, merged heads, attention weights read elsewhere, a scaling after
+a mask, masks of another dtype) keep Ulysses where the heads allow, with the reason."""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -352,30 +353,37 @@ def _read(softmax: fx.Node) -> "AttentionSite | str | None":
     return replace(site, output_marker=_mark_output(site))
 
 
-def _sdpa_terms(site: AttentionSite) -> "tuple[float, list[fx.Node], list[fx.Node]] | str":
-    """The scale, the additive masks and the conditions filled with -inf of a site written as
-    ``softmax((q @ k^T * scale + masks).masked_fill(hidden, -inf)) @ v`` on ``[B, H, S, D]`` (casts and a
-    dropout that drops nothing between), or why it is not that."""
+class _SdpaTerms(NamedTuple):
+    scale: float
+    masks: list[fx.Node]  # added to the scaled scores
+    hidden: list[fx.Node]  # conditions whose positions are filled with -inf
+
+
+def _sdpa_terms(site: AttentionSite) -> "_SdpaTerms | str":
+    """The terms of a site written as ``softmax((q @ k^T * scale + masks).masked_fill(hidden, -inf)) @ v``
+    on ``[B, H, S, D]`` (casts and a dropout that drops nothing between; q, k, v and the masks of one
+    dtype, none written in place), which is ``scaled_dot_product_attention``; or why it is not that."""
     scores, output = site.scores, site.node
-    if not (_is(scores, MATMUL) and _is(output, MATMUL)) or site.heads_outer > 1 or value_of(scores).dim() != 4 \
-            or site.head_axis != 1:
+    if not (_is(scores, MATMUL) and _is(output, MATMUL)) or site.heads_outer > 1 or value_of(scores).dim() != 4:
         return f"{site.spelling} on {site.layout()}: only q @ k^T and @ v on [B, H, S, D] run as one attention call"
     scale, masks, hidden, node = 1.0, [], [], scores
     while not _is(node, SOFTMAX):
         previous, node = node, _only_reader(node)
         if isinstance(node, str):
             return node
-        operands = [arg for arg in node.args if arg is not previous]
-        if _is(node, spellings("mul")) and len(operands) == 1 and isinstance(operands[0], (int, float)):
-            scale *= operands[0]
-        elif _is(node, spellings("div")) and node.args[0] is previous and isinstance(node.args[1], (int, float)):
-            scale /= node.args[1]
-        elif _is(node, spellings("add")) and len(operands) == 1 and isinstance(operands[0], fx.Node) \
-                and node.kwargs.get("alpha", 1) == 1:
-            masks.append(operands[0])
-        elif _is(node, spellings("masked_fill")) and node.args[0] is previous and isinstance(node.args[1], fx.Node) \
-                and node.args[2] == float("-inf"):
-            hidden.append(node.args[1])
+        factor = _scale_factor(node, previous)
+        filled = method_or_function_args(node, ("input", "mask", "value")) if _is(node, spellings("masked_fill")) \
+            else None
+        if factor is not None:
+            if masks or hidden:
+                return "a scaling after a mask (one attention call scales the scores before it adds its mask)"
+            scale *= factor
+        elif _is(node, spellings("add")) and not node.kwargs and len(node.args) == 2 and previous in node.args \
+                and isinstance(other := node.args[node.args[0] is previous], fx.Node) and other is not previous:
+            masks.append(other)
+        elif filled is not None and filled["input"] is previous and isinstance(filled["mask"], fx.Node) \
+                and filled["value"] == float("-inf"):
+            hidden.append(filled["mask"])
         elif not _is(node, (*CASTS, *spellings("contiguous"), *SOFTMAX)):
             return (f"{_op_names([node]).pop()} between q @ k^T and the softmax (a ring runs scaling, additive masks "
                     f"and casts)")
@@ -392,14 +400,46 @@ def _sdpa_terms(site: AttentionSite) -> "tuple[float, list[fx.Node], list[fx.Nod
             return "its dropout (p > 0 in training) is not drawn per block of a ring"
         elif dropout is None and not _is(node, (*CASTS, *spellings("contiguous"))):
             return f"{_op_names([node]).pop()} between the softmax and @ v"
-    if masks and hidden:
-        return "an additive mask and a -inf fill together (one attention call takes one kind of mask)"
-    return scale, masks, hidden
+    return _checked_terms(site, _SdpaTerms(scale, masks, hidden))
+
+
+def _scale_factor(node: fx.Node, scores: fx.Node) -> float | None:
+    """The number ``node`` multiplies ``scores`` by (``scores * c``, ``c * scores``, ``scores / c``), or None."""
+    if node.kwargs or len(node.args) != 2:
+        return None
+    if _is(node, spellings("mul")) and scores in node.args:
+        factor = node.args[node.args[0] is scores]
+        return factor if isinstance(factor, (int, float)) and not isinstance(factor, bool) else None
+    if _is(node, spellings("div")) and node.args[0] is scores and isinstance(node.args[1], (int, float)) \
+            and not isinstance(node.args[1], bool) and node.args[1] != 0:
+        return 1 / node.args[1]
+    return None
+
+
+def _checked_terms(site: AttentionSite, terms: _SdpaTerms) -> "_SdpaTerms | str":
+    """``terms``, where q, k, v and the additive masks share a dtype, the fills are boolean and none of
+    them is written in place (the call reads them where ``@ v`` was); else why not."""
+    from ulysses_compile.passes.in_place_writes import alias_bases, written_bases  # in_place_writes reads the rules
+
+    inputs = [site.entering(role) for role in ("query", "key", "value")]
+    dtype = value_of(inputs[0]).dtype
+    if any(value_of(node).dtype != dtype for node in inputs):
+        return "q, k and v of different dtypes (one attention call takes one)"
+    if any(value_of(mask).dtype != dtype for mask in terms.masks):
+        return f"an additive mask of another dtype than q's {dtype} (one attention call adds it in q's)"
+    if any(value_of(condition).dtype != torch.bool for condition in terms.hidden):
+        return "a -inf fill at positions that are not a boolean mask"
+    bases = alias_bases(site.node.graph)
+    written = written_bases(site.node.graph, bases)
+    if any(bases.get(node, node) in written for node in (*inputs, *terms.masks, *terms.hidden)):
+        return "q, k, v or a mask written in place (one attention call reads them where @ v is)"
+    return terms
 
 
 def _only_reader(node: fx.Node) -> "fx.Node | str":
     if len(node.users) != 1:
-        return f"{node.name} between q @ k^T and @ v is read by {len(node.users)} ops (attention weights returned)"
+        return (f"{node.name} between q @ k^T and @ v is read by {len(node.users)} ops (one attention call keeps "
+                f"nothing between them)")
     return next(iter(node.users))
 
 
@@ -416,25 +456,26 @@ class HandwrittenAttention(AttentionForm):
         terms = _sdpa_terms(site)
         if isinstance(terms, str):
             return terms
-        return ring_inputs_blocker(site, terms[1] + terms[2], world_size)
+        return ring_inputs_blocker(site, [*terms.masks, *terms.hidden], world_size)
 
     def as_ring_site(self, site):
         """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` in place of the products
         and what is between them (the mask: the additive masks summed, or the positions no -inf fill
         hides), read as an SDPA site."""
-        scale, masks, hidden = _sdpa_terms(site)
+        terms = _sdpa_terms(site)
         graph, output = site.node.graph, site.node
         before = set(graph.nodes)
         with graph.inserting_before(output):
             mask = None
-            for each in masks:
+            for each in terms.masks:
                 mask = each if mask is None else graph.call_function(operator.add, (mask, each))
-            for each in hidden:
+            for each in terms.hidden:
                 mask = each if mask is None else graph.call_function(operator.or_, (mask, each))
-            if hidden:
+            if terms.hidden:
                 mask = graph.call_function(torch.logical_not, (mask,))
             call = graph.call_function(torch._C._nn.scaled_dot_product_attention, (
-                site.entering("query"), site.entering("key"), site.entering("value")), {"attn_mask": mask, "scale": scale})
+                site.entering("query"), site.entering("key"), site.entering("value")),
+                {"attn_mask": mask, "scale": terms.scale})
         fill_example_values([node for node in graph.nodes if node not in before], output)
         site.output_marker.replace_all_uses_with(call)
         graph.erase_node(site.output_marker)
