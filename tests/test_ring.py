@@ -503,3 +503,42 @@ def test_hand_written_attention_runs_as_a_ring_only_where_it_is_the_sdpa_call(fa
         rewritten_graphs(_HandWritten(variant), (x,), ring=2)
     assert isinstance(raised.value.inner_exception, DivisibilityError)
     assert f"this attention cannot run as a ring: {reason}" in str(raised.value.inner_exception)
+
+
+class _BrokenAfterTheLayers(torch.nn.Module):
+    """A Llama whose LM head and loss run after a graph break, on labels shifted by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = tiny_llama(heads=2, kv_heads=2, layers=1)
+
+    def forward(self, input_ids, targets):
+        hidden = self.llama.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        torch._dynamo.graph_break()
+        logits = self.llama.lm_head(hidden)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def layout_kept_across_a_graph_break(rank, world_size):
+    model = _BrokenAfterTheLayers()
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=32)
+    targets = ids.roll(-1, 1)
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
+    want = reference(ids, targets)
+    layouts = [(bool(report.attention_sites), report.head_tail) for report in reports]
+    assert layouts == [(True, 2), (False, 2)], [report.sequence_layout for report in reports]
+    kinds = [call.kind for report in reports for call in report.collectives]
+    assert "gather_seq" not in kinds, kinds
+    got[0].backward()
+    want[0].backward()
+    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # the suite's time: one more model compiled twice at P = 4
+def test_a_graph_after_a_break_keeps_the_head_tail_blocks_it_receives():
+    """The hidden states leave the layers' graph in the head-tail layout; the LM head's graph, with no
+    attention, lays its sequence out alike and takes them as they are (no gather), exact."""
+    run_ranks(layout_kept_across_a_graph_break, 4)
