@@ -197,7 +197,7 @@ def test_hand_written_attention_under_a_ring_equal_to_eager(name):
 
 def llama_planned_equal_to_eager(rank, world_size, heads, kv_heads, ring, padded, compiler):
     """A Llama with more ranks than heads: the planner's ring, exact, with a left-padded batch."""
-    model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=2)
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, layers=1)
     reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=64)
     kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
