@@ -347,6 +347,7 @@ def test_ring_under_bf16_autocast_matches_eager():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # a minute or more of 4 torchrun processes; the plan for two nodes is in test_explain's default tests
 def test_two_nodes_put_ulysses_inside_each_node_and_the_ring_across():
     """Two torchrun "nodes" of 2 ranks on this machine (c10d rendezvous), a 4-head Llama: Ulysses
     within each node, the ring across them, the sequence head-tail, exact (the script asserts it on every
