@@ -4,10 +4,10 @@ Each function is an ordinary differentiable torch function built from torch's fu
 (``_c10d_functional`` ops followed by ``wait_tensor``), so AOTAutograd traces it into the forward graph,
 derives its backward, and Inductor sees (and can reorder) real collective ops. Blocks follow
 ``sharding.block_sizes``: balanced, uneven when P does not divide the dim; in the head-tail layout
-(``head_tail``: the ring's size R) a rank's block holds two chunks of 2R (``head_tail_positions``). ``rank`` is an int, or the
-0-dim tensor ``rank_of_group`` reads when the graph runs (blocks of one size only); ``mesh_group_name``
-gives a mesh dim's groups one name on every rank. The backward of each placement change is chosen so
-that every rank ends up with single-device gradients:
+(``head_tail``: the ring's size R) a rank's block holds two chunks of 2R (``head_tail_positions``).
+``rank`` is an int, or the 0-dim tensor ``rank_of_group`` reads when the graph runs (blocks of one
+size only); ``mesh_group_name`` gives a mesh dim's groups one name on every rank. The backward of each
+placement change is chosen so that every rank ends up with single-device gradients:
 
 ===================  =========================  ======================================================
 function             forward                    backward
@@ -547,8 +547,8 @@ COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_
 def sequence_subgroups(group_name: str, ulysses: int) -> tuple[str | None, str]:
     """The names of this rank's two subgroups of the group ``group_name`` under a plan of Ulysses over
     ``ulysses`` ranks and a ring over the rest: its Ulysses group (the ``ulysses`` consecutive ranks
-    holding one chunk of the sequence, in the graph's layout; None for one rank) and its ring group (the ranks at
-    its own place in every Ulysses group, one per chunk). Created on first use by their members, under
+    holding one chunk of the sequence, in the graph's layout; None for one rank) and its ring group (the
+    ranks at its own place in every Ulysses group, one per chunk). Created on first use by their members, under
     names the same on every rank of the group (so the ranks' code is one, and the members meet)."""
     parent = _resolve_process_group(group_name)
     ranks = torch.distributed.get_process_group_ranks(parent)

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ulysses_compile.core.collectives import ring_rank, ring_shift
+from ulysses_compile.core.collectives import head_tail_positions, ring_rank, ring_shift
 from ulysses_compile.core.compat import flash_attention_cpu, flash_attention_cpu_backward
 
 
@@ -54,24 +54,30 @@ def ring_attention(query, key, value, attn_mask=None, is_causal: bool = False, s
     return out
 
 
-def _mask_block(attn_mask, rows: list[tuple[int, int]], columns: list[tuple[int, int]], dtype):
-    """The mask's rows and columns of one block (each a list of ``(start, length)`` ranges of the whole
-    sequence; a broadcast dim stays), additive in ``dtype``."""
+def _mask_block(attn_mask, rows: tuple, columns: tuple, size: int, head_tail: bool, dtype):
+    """The mask's rows and columns of one part (each ``(ring rank, (start, length) of its block, the
+    block's length)``; a broadcast dim stays), additive in ``dtype``."""
     if attn_mask is None:
         return None
     block = attn_mask
     if block.dim() > 1 and block.shape[-2] != 1:
-        block = _ranges_of(block, -2, rows)
+        block = _rows_of(block, -2, *rows, size, head_tail)
     if block.shape[-1] != 1:
-        block = _ranges_of(block, -1, columns)
+        block = _rows_of(block, -1, *columns, size, head_tail)
     if block.dtype == torch.bool:
         return torch.zeros(block.shape, dtype=dtype, device=block.device).masked_fill(~block, float("-inf"))
     return block.to(dtype)
 
 
-def _ranges_of(x, dim: int, ranges: list[tuple[int, int]]):
-    pieces = [x.narrow(dim, *span) for span in ranges]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+def _rows_of(whole, dim: int, ring_rank: int, part: tuple[int, int], length: int, size: int, head_tail: bool):
+    """Rows ``part`` (``(start, length)``) of ring rank ``ring_rank``'s block of ``length`` rows, read
+    along ``dim`` of a tensor over the whole sequence: the block's positions are the layout's
+    (``collectives.head_tail_positions`` over the ``size`` ring ranks, or the contiguous block)."""
+    start, count = part
+    if not head_tail:
+        return whole.narrow(dim, ring_rank * length + start, count)
+    positions = head_tail_positions(size * length, size, size, ring_rank, whole.device)
+    return whole.index_select(dim, positions.narrow(0, start, count))
 
 
 def _block_forward(q, k, v, mask, causal: bool, scale):
@@ -182,28 +188,11 @@ def causal_work(ring: int, length: int, head_tail: bool) -> list[float]:
             for rank in range(ring)]
 
 
-def _positions(block: int, part: tuple[int, int], length: int, size: int, head_tail: bool) -> list[tuple[int, int]]:
-    """The positions in the whole sequence of rows ``part`` (``(start, length)``) of ring rank ``block``'s
-    block of ``length`` rows, as ``(start, length)`` ranges."""
-    start, count = part
-    if not head_tail:
-        return [(block * length + start, count)]
-    half = length // 2
-    chunks = ((0, block * half), (half, (2 * size - 1 - block) * half))  # (first local row, its position)
-    found = []
-    for first, position in chunks:
-        low, high = max(start, first), min(start + count, first + half)
-        if low < high:
-            found.append((position + low - first, high - low))
-    return found
-
-
 def _parts(rank: int, block: int, q, k, attn_mask, is_causal: bool, head_tail: bool, size: int):
     """Each visible part (``_visible_parts``) with its rows and the mask's block for it."""
     length, kv_length = q.shape[-2], k.shape[-2]
     for rows, columns, causal in _visible_parts(rank, block, is_causal, head_tail, length, kv_length):
-        mask = _mask_block(attn_mask, _positions(rank, rows, length, size, head_tail),
-                           _positions(block, columns, kv_length, size, head_tail), q.dtype)
+        mask = _mask_block(attn_mask, (rank, rows, length), (block, columns, kv_length), size, head_tail, q.dtype)
         yield rows, columns, causal, mask
 
 

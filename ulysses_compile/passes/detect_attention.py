@@ -13,8 +13,8 @@ between them become the one ``scaled_dot_product_attention`` call they compute
 :class:`AttentionSite` per call, read by the form the node belongs to (``ulysses_compile/passes/attention_forms/``),
 with its module path, heads, KV heads, head dim, sequence lengths and mask, and why each softmax or
 attention call that is not a site is not, and each site's plan (``_planned``: Ulysses over every rank,
-or Ulysses x ring). A site with no plan raises here, before any rewrite. A symbolic sequence length is guarded to its class (``sizes.pin_length_class``), the same on
-every rank.
+or Ulysses x ring). A site with no plan raises here, before any rewrite. A symbolic sequence length
+is guarded to its class (``sizes.pin_length_class``), the same on every rank.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
 """

@@ -55,10 +55,10 @@ def plan_sequence_layout(gm: fx.GraphModule, ctx, sites: list) -> SequenceLayout
     if sites:
         if rings == {1}:
             return SequenceLayout(0, "")
-        ring = max(rings)
-        candidate = f"every attention runs as a causal ring of {ring}"
         if len(rings) > 1:
             return _contiguous(f"the attention sites run rings of different sizes ({sorted(rings)})")
+        (ring,) = rings
+        candidate = f"every attention runs as a causal ring of {ring}"
         if not any(site.is_causal for site in sites):
             return SequenceLayout(0, "contiguous blocks: no attention runs is_causal (a mask given as a tensor "
                                      "computes every block of the ring in either layout)")
