@@ -41,26 +41,12 @@ def _serve(rank, world_size, port, tasks, results):
         fn, args = task
         torch.compiler.reset()
         torch._dynamo.utils.counters.clear()
-        _align_lazy_calls(world_size)
         try:
             fn(rank, world_size, *args)
             results.put((rank, None))
         except BaseException:
             results.put((rank, traceback.format_exc()))
     dist.destroy_process_group()
-
-
-def _align_lazy_calls(world_size: int) -> None:
-    """Every rank's count of calls with lazy outputs brought to the largest, as fresh processes would
-    start equal: a test that expects an error may leave one rank having made fewer calls, and the next
-    test's reads would then name different calls on different ranks."""
-    from ulysses_compile.core.boundary import _LAZY_CALLS
-
-    count = next(_LAZY_CALLS)
-    counts = [None] * world_size
-    dist.all_gather_object(counts, count)
-    for _ in range(max(counts) - count):
-        next(_LAZY_CALLS)
 
 
 class _RankPool:

@@ -99,13 +99,9 @@ def test_explain_reports_fallbacks_with_their_source_and_graph_breaks():
 def test_explain_counts_every_run_of_a_graph_dynamo_reuses_for_each_layer():
     """A graph break inside every block: one compiled graph holds a block's attention and runs once per
     layer; the report counts each run's site, all-to-alls and saved activations."""
-    from ulysses_compile.core.boundary import _LAZY_CALLS
-
     layers = 3
     model, args, kwargs = break_in_every_block(layers=layers)
-    before = next(_LAZY_CALLS)
     report = explain(model, *args, world_size=2, **kwargs)
-    assert next(_LAZY_CALLS) == before + 1  # explain numbers its lazy outputs apart: a rank may explain alone
     with_sites = [index for index in set(report.runs) if report.graphs[index].attention_sites]
     runs = {index: report.runs.count(index) for index in with_sites}
     assert len(report.graphs) < len(report.runs) and max(runs.values()) > 1, report.runs

@@ -221,7 +221,7 @@ def reads_in_different_orders(rank, world_size):
     reports = []
     outputs = torch.compile(_LogitsAndLogProbs(tiny_llama(layers=2)), backend=reporting_backend(reports))(ids)
     assert sorted(reports[0].sharded_outputs) == [0, 1], str(reports[0])
-    with pytest.raises(CollectiveError, match=r"the ranks read different outputs: rank [01] read output [01] of lazy call \d+"
+    with pytest.raises(CollectiveError, match=r"the ranks read different outputs: rank [01] read output [01] of call 1 of this graph"
                                               r".*same order \(not under `if rank == 0:`\)"):
         outputs[rank].sum()
 
@@ -230,6 +230,32 @@ def reads_in_different_orders(rank, world_size):
 def test_ranks_reading_different_outputs_stop_with_what_to_do():
     """Each first read gathers from every rank; ranks that read different outputs would mix them up."""
     run_ranks(reads_in_different_orders, 2)
+
+
+def reads_after_one_rank_called_a_graph_alone(rank, world_size):
+    model = tiny_llama(layers=1)
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=32)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports))
+    doubled = torch.compile(lambda hidden: hidden * 2.0, backend="ulysses", options={"check_inputs": False})
+    first = compiled(input_ids=ids, use_cache=False).logits
+    both = doubled(first)  # a graph with no collectives but the first call's check of the programs
+    if rank == 0:
+        doubled(first)  # the graph's second call, on this rank alone: it runs no collective
+    assert isinstance(both, GatheredOnUse) and not first.gathered, type(both)
+    second = compiled(input_ids=ids, use_cache=False).logits
+    want = reference(input_ids=ids, use_cache=False).logits
+    assert_close(f"rank {rank} logits of the second call", second, want)  # each read names its graph's own call
+    assert_close(f"rank {rank} doubled logits", both, want * 2.0)
+    assert all(not report.replicated for report in reports), str(reports)
+
+
+@pytest.mark.multirank
+def test_reads_name_the_call_of_their_own_graph():
+    """A read names the output by its graph and that graph's call, so calls one rank made of another
+    graph (one with no collective, made alone) do not make the ranks' later reads disagree."""
+    run_ranks(reads_after_one_rank_called_a_graph_alone, 2)
 
 
 def regionally_compiled(rank, world_size, lengths):

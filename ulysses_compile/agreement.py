@@ -50,6 +50,12 @@ def fingerprint(gm: fx.GraphModule, example_inputs) -> dict:
     return {"graph": hashlib.sha1(gm.code.encode()).hexdigest()[:12], "inputs": dict(zip(input_names(gm), inputs))}
 
 
+def program_digest(expected: dict) -> int:
+    """A ``fingerprint`` as a number, alike on every rank that compiled the same program (52 bits: exact in
+    float64)."""
+    return int(hashlib.sha1(repr(sorted(expected.items())).encode()).hexdigest(), 16) & _MASK_52
+
+
 def input_names(gm: fx.GraphModule) -> list[str]:
     """The graph's inputs as the user's code names them: ``input_ids``, ``model.embed_tokens.weight``
     (Dynamo's placeholder ``L_args_0_modules_model_modules_embed_tokens_parameters_weight_``)."""
@@ -208,7 +214,7 @@ class InputCheck:
         self.names, self.positions = names, positions  # the user inputs among the graph's inputs
         self.group, self.rank, self.graph_name, self.draws = group, rank, graph_name, list(draws)
         self.expected, self.wait_warning = expected, wait_warning
-        self.digest = int(hashlib.sha1(repr(sorted(expected.items())).encode()).hexdigest(), 16) & _MASK_52
+        self.digest = program_digest(expected)
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
         if self.draws:

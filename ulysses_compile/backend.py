@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from ulysses_compile.agreement import InputCheck, fingerprint, guarded, input_names
+from ulysses_compile.agreement import InputCheck, fingerprint, guarded, input_names, program_digest
 from ulysses_compile.compiled_calls import CompiledCall, counted
 from ulysses_compile.core.boundary import leave_sharded, refuse_dtensor_inputs
 from ulysses_compile.core.collectives import gather_parameter
@@ -68,7 +68,8 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified_short(compiled, original, gm, ctx, example_inputs)
     elif opts.verify:
         compiled = verified(compiled, original, gm, ctx)
-    compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name)
+    compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name,
+                             program_digest(expected))
     sites = 0 if report.replicated else len(report.attention_sites)
     state = _module_state(gm, ctx) if group.size() > 1 else []
     return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check, state, opts.sync_module_states),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -96,7 +95,6 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     report = Report(world_size=world_size, rank=rank)
     explained: list[_Explained] = []
     hints: dict = {}
-    lazy_calls = itertools.count()  # explain's own: the process's count is the real ranks' (boundary._LAZY_CALLS)
     model = copy.deepcopy(model)
     # a checkpointed region that draws random numbers (SDPA) replays the real generator state in the backward
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if _on_meta(model, args, kwargs) else None
@@ -109,7 +107,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     try:
         # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
         compiled = compile_partitioned(
-            model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints, lazy_calls),
+            model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints),
             zero_stage=zero_stage, group=None, mesh=None, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             options=dict(options or {}), dynamic=dynamic)
         with fake_mode or contextlib.nullcontext():
@@ -204,7 +202,7 @@ def _to_fake(model: torch.nn.Module, inputs, mode):
     return tree_map(fake, inputs)
 
 
-def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[_Explained], hints: dict, calls):
+def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[_Explained], hints: dict):
     ctx, graph_report = rewrite(gm, example_inputs, opts, dist.group.WORLD)
     index = len(report.graphs)
     report.graphs.append(graph_report)
@@ -235,7 +233,7 @@ def _compile(gm, example_inputs, opts: Options, report: Report, explained: list[
 
     compiled = leave_sharded(aot(keep("forward"), keep("backward"), not graph_report.rank_specific)(gm, example_inputs),
                              graph_report.sharded_outputs, graph_report.computed_outputs, opts, dist.group.WORLD,
-                             f"explained graph {index}", calls)
+                             f"explained graph {index}", index)
 
     def run(*args):
         report.runs.append(index)

@@ -99,18 +99,21 @@ class _Layout:
 
 @dataclass(frozen=True)
 class _Read:
-    """Which output a first read gathers, named alike on every rank: the calls of graphs that return
-    lazy outputs are collective, so every rank counts them alike."""
+    """Which output a first read gathers, named alike on every rank: the graph (a digest of the program
+    every rank compiled), its call (a graph's calls are collective, so every rank counts them alike, and
+    a count kept per graph is untouched by what the ranks did with other graphs) and the output."""
 
     name: str  # "output 1 of compiled graph 0/0"
-    call: int  # of all graphs returning lazy outputs, in this process
+    graph: int
+    call: int  # of this graph, from 1
     position: int
 
     def row(self) -> list[int]:
-        return [self.call, self.position]
+        return [self.graph, self.call, self.position]
 
-
-_LAZY_CALLS = itertools.count()
+    def describe(self, row: list[int]) -> str:
+        graph, call, position = row
+        return f"output {position} of call {call} of " + ("this graph" if graph == self.graph else "another graph")
 
 
 @dataclass(frozen=True)
@@ -421,16 +424,16 @@ def _agree_on_read(read: _Read | None, layout: _Layout, device, written: bool) -
             f"or failed: look for its error. Read the outputs on every rank, or compile with "
             f"options={{'outputs': 'gather'}}"
         ) from failure
-    if any(row[:2] != read.row() for row in rows):
-        others = "; ".join(f"rank {rank} read output {row[1]} of lazy call {row[0]}"
-                           for rank, row in enumerate(rows) if row[:2] != read.row())
+    if any(row[:3] != read.row() for row in rows):
+        others = "; ".join(f"rank {rank} read {read.describe(row[:3])}"
+                           for rank, row in enumerate(rows) if row[:3] != read.row())
         raise CollectiveError(
-            f"rank {layout.rank}: reading the sequence-sharded {read.name} (output {read.position} of lazy call "
-            f"{read.call}) gathers it from every rank, and the ranks read different outputs: {others}. Read a "
+            f"rank {layout.rank}: reading the sequence-sharded {read.name} ({read.describe(read.row())}) "
+            f"gathers it from every rank, and the ranks read different outputs: {others}. Read a "
             f"compiled model's outputs on every rank in the same order (not under `if rank == 0:`), or compile "
             f"with options={{'outputs': 'gather'}} to gather them inside the graph"
         )
-    return any(row[2] for row in rows)
+    return any(row[3] for row in rows)
 
 
 class _LeaveSharded(torch.autograd.Function):
@@ -496,15 +499,16 @@ def computed_outputs(outputs, computed: dict[int, LazyLinear]) -> list:
 
 
 def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[int, LazyLinear], options, group,
-                  graph_name: str, calls=_LAZY_CALLS):
+                  graph_name: str, graph: int):
     """``compiled`` with its sequence-sharded outputs (position -> blocks) returned to the caller as
     ``GatheredOnUse`` (``outputs="lazy"``) or DTensors (``"dtensor"``); the outputs in ``computed``
-    (``computed_outputs``) are computed only when read. ``calls`` numbers the calls whose outputs are
-    lazy, alike on every rank (a simulation in one process counts its own)."""
+    (``computed_outputs``) are computed only when read. ``graph`` names the program alike on every rank
+    (``agreement.program_digest``)."""
     if not sharded:
         return compiled
     rank, world_size, group_name = group.rank(), group.size(), options.group_name()
     mesh_of = _sequence_mesh(options, group)
+    calls = itertools.count(1)
 
     def run(*args):
         outputs = list(compiled(*args))
@@ -518,7 +522,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
                                                        run_check=False)
                 continue
             layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name, blocks.head_tail)
-            read = _Read(f"output {position} of {graph_name}", call, position)
+            read = _Read(f"output {position} of {graph_name}", graph, call, position)
             length = blocks.whole_length(block, world_size)
             outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in sources \
                 else _LeaveShardedLinear.apply(block, sources[position], computed[position], layout, length,
