@@ -158,8 +158,9 @@ RING_FORMS = {
     "nn_mha_key_padding": (4, 0),
     "llama_mqa": (4, 4),
     "llama_6_heads_gqa_3": (4, 4),
-    # hand-written, as the SDPA call it computes: an additive causal mask; masked_fill(-inf), a boolean one
-    "llama_eager_gqa_gathered": (2, 0),
+    # hand-written, as the SDPA call it computes: transformers' additive mask, proven causal (is_causal,
+    # head-tail); nanoGPT's masked_fill(-inf) of a buffer, kept as a boolean mask (a buffer may change)
+    "llama_eager_gqa_gathered": (2, 2),
     "nanogpt_manual": (4, 0),
 }
 HAND_WRITTEN = ("llama_eager_gqa_gathered", "nanogpt_manual")
@@ -449,10 +450,13 @@ def test_hand_written_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
     eager = tiny_llama(heads=2, kv_heads=2, layers=1)
     eager.config._attn_implementation = "eager"
     (gm,) = rewritten_graphs(eager, (), {"input_ids": ids, "labels": labels, "use_cache": False})
-    (site,) = gm.meta["ulysses_report"].attention_sites
+    report = gm.meta["ulysses_report"]
+    (site,) = report.attention_sites
     assert (site.spelling, site.ulysses, site.ring) == ("matmul_softmax as scaled_dot_product_attention", 2, 2)
+    assert site.mask_kind() == "causal" and report.head_tail == 2, (site.summary(), report.sequence_layout)
     targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
     assert targets.count("ring_attention") == 1 and "softmax" not in targets and "matmul" not in targets, targets
+    assert "where" not in targets and "le" not in targets, targets  # no S x S mask is built
 
 
 class _HandWritten(torch.nn.Module):
@@ -477,19 +481,36 @@ class _HandWritten(torch.nn.Module):
             scores = (scores * 0.5).masked_fill(mask=~self.keep, value=float("-inf"))
         elif self.variant == "a scaling by a rounded division":
             scores = torch.div(scores, 2, rounding_mode="floor")
+        elif self.variant == "a causal fill from positions":
+            scores = (scores * 0.5).masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+        elif self.variant == "an additive causal mask from positions, and a bias":
+            kept = torch.arange(seq)[None, :] <= torch.arange(seq)[:, None]
+            scores = scores * 0.5 + torch.where(kept, 0.0, torch.finfo(scores.dtype).min) + self.bias
+        elif self.variant == "an additive causal mask that hides where it is true":
+            hidden = torch.arange(seq)[None, :] > torch.arange(seq)[:, None]
+            scores = scores * 0.5 + torch.where(hidden, float("-inf"), 0.0)[None, None].expand(batch, 1, seq, seq)
+        elif self.variant == "an additive sliding window":
+            offset = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+            scores = scores * 0.5 + torch.where((offset >= 0) & (offset < 4), 0.0, float("-inf"))
         return (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
 
 
-@pytest.mark.parametrize("variant,reason", [
-    ("a fill given by keywords", None),
-    ("a bias, then a scaling", "a scaling after a mask (one attention call scales the scores before it adds its mask)"),
-    ("a boolean mask added", "an additive mask of another dtype than q's torch.float32"),
-    ("a scaling by a rounded division", "div between q @ k^T and the softmax"),
+@pytest.mark.parametrize("variant,reason,causal", [
+    ("a fill given by keywords", None, False),  # of a buffer: its values may change
+    ("a causal fill from positions", None, True),
+    ("an additive causal mask that hides where it is true", None, True),
+    ("an additive causal mask from positions, and a bias", None, False),
+    ("an additive sliding window", None, False),
+    ("a bias, then a scaling", "a scaling after a mask (one attention call scales the scores before it adds its mask)",
+     False),
+    ("a boolean mask added", "an additive mask of another dtype than q's torch.float32", False),
+    ("a scaling by a rounded division", "div between q @ k^T and the softmax", False),
 ])
-def test_hand_written_attention_runs_as_a_ring_only_where_it_is_the_sdpa_call(fake_group, variant, reason):
+def test_hand_written_attention_runs_as_a_ring_only_where_it_is_the_sdpa_call(fake_group, variant, reason, causal):
     """Hand-written attention becomes the SDPA call it computes under a forced ring only where it is that
     call: a scaling after a float bias, a boolean added as 0/1, a rounded division keep it out, with the
-    reason."""
+    reason. Masks built from positions that keep exactly the causal triangle (a -inf fill, an additive
+    0 / lowest mask either way round) become ``is_causal``; a window, or a bias beside them, stays a mask."""
     from graphs import rewritten_graphs
     from ulysses_compile import DivisibilityError
 
@@ -499,6 +520,7 @@ def test_hand_written_attention_runs_as_a_ring_only_where_it_is_the_sdpa_call(fa
         (gm,) = rewritten_graphs(_HandWritten(variant), (x,), ring=2)
         (site,) = gm.meta["ulysses_report"].attention_sites
         assert site.spelling == "matmul_softmax as scaled_dot_product_attention" and site.ring == 2, site.summary()
+        assert (site.mask_kind() == "causal") == causal and site.is_causal == causal, site.summary()
         return
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
         rewritten_graphs(_HandWritten(variant), (x,), ring=2)

@@ -36,6 +36,7 @@ Pinned on a small model: ``tests/test_pass_goldens.py::test_recognize_causal_mas
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from typing import NamedTuple
@@ -46,7 +47,7 @@ import torch.fx as fx
 
 from ulysses_compile.core.compat import is_fake, real_tensors, symbol_hints, symbol_lower_bounds, symbolic_expr
 from ulysses_compile.core.errors import UlyssesError
-from ulysses_compile.core.fx_graph import erase_unused
+from ulysses_compile.core.fx_graph import erase_unused, fill_example_values
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.sizes import is_symbolic, same_size
@@ -102,6 +103,85 @@ def recognize_causal_mask(gm: fx.GraphModule, ctx) -> list[str]:
         if verdict.causal:
             erase_unused(mask)
     return notes
+
+
+def keeps_the_triangle(additive: list[fx.Node], hidden: list[fx.Node], query: fx.Node, key: fx.Node,
+                       at: fx.Node) -> bool:
+    """Whether scores with the ``additive`` masks added and the positions of ``hidden`` filled with -inf (a
+    hand-written attention's, ``handwritten._sdpa_terms``) keep exactly the causal triangle: each additive
+    mask a fill, 0 where it keeps a position and -inf or its dtype's lowest value where it hides one
+    (transformers' eager masks, ``torch.where(keep, 0, finfo.min)``), and the positions they keep
+    together proven the triangle as a boolean mask is. (A row that keeps its diagonal gets probabilities
+    of exactly 0 where the lowest value is added, as at -inf.) The nodes made for the proof, before
+    ``at``, are erased."""
+    graph, made = at.graph, []
+
+    def make(target, *args):
+        made.append(graph.call_function(target, args))
+        return made[-1]
+
+    try:
+        with graph.inserting_before(at):
+            keeps = []
+            for mask in additive:
+                fill = _filled_positions(mask)
+                if fill is None:
+                    return False
+                condition, keeps_condition, views = fill
+                if not keeps_condition:
+                    condition = make(torch.logical_not, condition)
+                for view in reversed(views):
+                    made.append(graph.node_copy(view, lambda source, view=view, condition=condition:
+                                                condition if source is view.args[0] else source))
+                    condition = made[-1]
+                keeps.append(condition)
+            if hidden:
+                keeps.append(make(torch.logical_not, functools.reduce(lambda a, b: make(operator.or_, a, b), hidden)))
+            keep = functools.reduce(lambda a, b: make(operator.and_, a, b), keeps)
+        fill_example_values(made, at)
+        return _verdict(keep, query, key).causal
+    finally:
+        for node in reversed(made):
+            graph.erase_node(node)
+
+
+_POSITION_VIEWS = (operator.getitem, "expand", torch.unsqueeze, "unsqueeze", "contiguous", "clone")
+
+
+def _filled_positions(mask: fx.Node) -> tuple[fx.Node, bool, list[fx.Node]] | None:
+    """A float mask ``torch.where(condition, 0, lowest)`` (the condition keeps) or ``torch.where(condition,
+    lowest, 0)`` (it hides), then views that only move positions: the condition, whether it keeps, the
+    views from the mask down; None for any other mask."""
+    views, node = [], mask
+    while node.op in ("call_function", "call_method") and node.target in _POSITION_VIEWS and node.args \
+            and node.all_input_nodes == [node.args[0]]:
+        views.append(node)
+        node = node.args[0]
+    value = _example(node)
+    if node.target is not torch.where or len(node.args) != 3 or node.kwargs or not isinstance(value, torch.Tensor) \
+            or not value.dtype.is_floating_point:
+        return None
+    condition, kept, hidden = node.args
+    if not (isinstance(condition, fx.Node) and _example(condition).dtype == torch.bool
+            and tuple(_example(condition).shape) == tuple(value.shape)):
+        return None
+    lowest = torch.finfo(value.dtype).min
+    if _is_zero(kept) and isinstance(hidden, float) and hidden <= lowest:
+        return condition, True, views
+    if _is_zero(hidden) and isinstance(kept, float) and kept <= lowest:
+        return condition, False, views
+    return None
+
+
+def _is_zero(value) -> bool:
+    """A Python zero, or ``torch.zeros(())`` / ``torch.full((), 0)`` made in the graph."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    if not isinstance(value, fx.Node) or value.all_input_nodes:
+        return False
+    if value.target is torch.zeros:
+        return True
+    return value.target is torch.full and value.kwargs.get("fill_value", value.args[1] if len(value.args) > 1 else None) == 0
 
 
 def _set_argument(node: fx.Node, name: str, value) -> None:

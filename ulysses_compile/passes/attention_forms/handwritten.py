@@ -461,21 +461,25 @@ class HandwrittenAttention(AttentionForm):
     def as_ring_site(self, site):
         """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` in place of the products
         and what is between them (the mask: the additive masks summed, or the positions no -inf fill
-        hides), read as an SDPA site."""
+        hides; ``is_causal=True`` and no mask where they keep the causal triangle, proven as
+        ``recognize_causal_mask`` proves SDPA's masks), read as an SDPA site."""
+        from ulysses_compile.passes.recognize_causal_mask import keeps_the_triangle  # it reads the SDPA form
+
         terms = _sdpa_terms(site)
         graph, output = site.node.graph, site.node
+        query, key, value = (site.entering(role) for role in ("query", "key", "value"))
+        causal = bool(terms.masks or terms.hidden) and keeps_the_triangle(terms.masks, terms.hidden, query, key, output)
         before = set(graph.nodes)
         with graph.inserting_before(output):
             mask = None
-            for each in terms.masks:
+            for each in () if causal else terms.masks:
                 mask = each if mask is None else graph.call_function(operator.add, (mask, each))
-            for each in terms.hidden:
+            for each in () if causal else terms.hidden:
                 mask = each if mask is None else graph.call_function(operator.or_, (mask, each))
-            if terms.hidden:
+            if terms.hidden and not causal:
                 mask = graph.call_function(torch.logical_not, (mask,))
-            call = graph.call_function(torch._C._nn.scaled_dot_product_attention, (
-                site.entering("query"), site.entering("key"), site.entering("value")),
-                {"attn_mask": mask, "scale": terms.scale})
+            call = graph.call_function(torch._C._nn.scaled_dot_product_attention, (query, key, value),
+                                       {"attn_mask": mask, "scale": terms.scale, "is_causal": causal})
         fill_example_values([node for node in graph.nodes if node not in before], output)
         site.output_marker.replace_all_uses_with(call)
         graph.erase_node(site.output_marker)
