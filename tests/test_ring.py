@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_forms import FORMS, outputs_of
+from attention_forms import FORMS, FlashAttention, outputs_of
 from graphs import reporting_backend
 from models import tiny_llama, token_batch
 from multirank import TIMEOUT_S, assert_close, compare_model, free_port, run_ranks
@@ -162,13 +162,18 @@ RING_FORMS = {
     # head-tail); nanoGPT's masked_fill(-inf) of a buffer, kept as a boolean mask (a buffer may change)
     "llama_eager_gqa_gathered": (2, 2),
     "nanogpt_manual": (4, 0),
+    # flash-attn, as the SDPA call it computes on its inputs transposed: causal, so head-tail
+    "flash_attn": (2, 2),
+    "flash_attn_gqa": (4, 4),
 }
 HAND_WRITTEN = ("llama_eager_gqa_gathered", "nanogpt_manual")
+RING_ONLY_FORMS = {"flash_attn_gqa": lambda: (FlashAttention(kv_heads=2), *FORMS["flash_attn"]()[1:])}
 
 
 def ring_forms_equal_to_eager(rank, world_size, names):
     for name in names:
-        model, args, kwargs = FORMS[name]()
+        torch.manual_seed(0)
+        model, args, kwargs = {**FORMS, **RING_ONLY_FORMS}[name]()
         reference = copy.deepcopy(model)
         torch.compiler.reset()
         reports = []
@@ -383,6 +388,12 @@ def test_a_ring_option_that_fits_no_plan_is_an_error_naming_the_rings_that_do(fa
                        r"as a ring: einsum_softmax on \[B, S, H, D\]: only q @ k\^T and @ v on \[B, H, S, D\] run "
                        r"as one attention call"):
         rewritten_graphs(model, args, einsum_kwargs, ring=2)
+    for form, reason in [(FlashAttention(window=8), r"its sliding window \(window_size=\(8, -1\)\)"),
+                         (FlashAttention(alibi=True), "its ALiBi slopes")]:
+        torch.compiler.reset()
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=f"option ring=2: this attention cannot "
+                                                                          f"run as a ring: {reason}"):
+            rewritten_graphs(form, args, einsum_kwargs, ring=2)
     for bad in (0, 1.5, True):
         with pytest.raises(OptionsError, match="option ring="):
             Options.parse({"ring": bad})
@@ -457,6 +468,25 @@ def test_hand_written_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
     targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
     assert targets.count("ring_attention") == 1 and "softmax" not in targets and "matmul" not in targets, targets
     assert "where" not in targets and "le" not in targets, targets  # no S x S mask is built
+
+
+def test_transformers_flash_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
+    """A Llama with attn_implementation="flash_attention_2" and more ranks than heads: each flash-attn
+    call becomes the SDPA call it computes, planned as a causal ring in the head-tail layout."""
+    from flash_attn_stand_in import transformers_uses_flash_attn
+    from graphs import rewritten_graphs
+
+    transformers_uses_flash_attn()
+    fake_group(4)
+    ids, labels = token_batch(seq=32)
+    model = tiny_llama(heads=2, kv_heads=1, layers=2)
+    model.config._attn_implementation = "flash_attention_2"
+    (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
+    report = gm.meta["ulysses_report"]
+    assert [(site.spelling, site.ring, site.mask_kind()) for site in report.attention_sites] == \
+        [("flash_attn as scaled_dot_product_attention", 4, "causal")] * 2, str(report)
+    assert report.head_tail == 4, report.sequence_layout
+    _plan_and_collectives([report], 4, 4, 4)
 
 
 class _HandWritten(torch.nn.Module):
