@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import nanogpt
 from multirank import assert_close, compare_model
@@ -148,6 +149,22 @@ def test_a_tensor_parallel_mesh_dim_is_refused_with_the_reason(fake_group):
     with pytest.raises(OptionsError, match=r"'tp' dim is not supported yet. Tensor parallelism splits each "
                                            r"attention's heads .* mesh\['dp', 'sp'\]"):
         Options.parse({"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))})
+
+
+def test_a_mesh_ring_dim_sets_the_ring_and_the_sequence_group(fake_group):
+    """("dp", "ring", "sp"): the sequence group is "ring" x "sp" (each "sp" group consecutive in it), the
+    ring the "ring" dim's size; an option ring that disagrees, or dims in another order, are refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(8, rank=5)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ring", "sp"))
+    options = Options.parse({"mesh": mesh})
+    assert options.ring == 2 and dist.get_process_group_ranks(options.process_group()) == [4, 5, 6, 7]
+    assert dist.get_process_group_ranks(options.data_parallel_group()) == [1, 5]
+    with pytest.raises(OptionsError, match="option ring=4 and a mesh whose 'ring' dim has 2 ranks"):
+        Options.parse({"mesh": mesh, "ring": 4})
+    with pytest.raises(OptionsError, match=r"expected \('sp',\), \('dp', 'sp'\), \('ring', 'sp'\)"):
+        Options.parse({"mesh": init_device_mesh("cpu", (2, 4), mesh_dim_names=("sp", "ring"))})
 
 
 def test_verify_short_needs_a_symbolic_length_and_reports_random_draws(fake_group):

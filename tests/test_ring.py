@@ -232,6 +232,68 @@ def test_more_ranks_than_heads_plan_a_ring_equal_to_eager(world_size, heads, kv_
     run_ranks(llama_planned_equal_to_eager, world_size, heads, kv_heads, ring, padded, compiler)
 
 
+def ring_sequences_equal_to_eager(rank, world_size, kind):
+    """A 2-head Llama at P = 4 under a ring on batches the head-tail layout does not take: documents
+    packed in one row (DataCollatorWithFlattening: the document mask a tensor, read per block), and a
+    length of 60, which P divides but 2R = 8 chunks do not (a ring of 4 in contiguous blocks)."""
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_llama(heads=2, kv_heads=2, layers=1)
+    reference = copy.deepcopy(model)
+    if kind == "packed":
+        generator = torch.Generator().manual_seed(0)
+        documents = [torch.randint(0, 64, (length,), generator=generator).tolist() for length in (13, 30, 7, 14)]
+        kwargs = DataCollatorWithFlattening(return_position_ids=True)(
+            [{"input_ids": ids, "labels": ids} for ids in documents])
+        ring, reason = 2, "no attention runs is_causal"
+    else:
+        ids, labels = token_batch(seq=60)
+        kwargs = {"input_ids": ids, "labels": labels}
+        ring, reason = 4, "holds a sequence of 60 positions, which does not cut into 8 chunks"
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports, ring=ring))(**kwargs, use_cache=False)
+    _plan_and_collectives(reports, world_size, ring, 0)
+    assert reason in reports[0].sequence_layout, reports[0].sequence_layout
+    got.loss.backward()
+    want = reference(**kwargs, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # the suite's time: the ring's masks and contiguous blocks are in the default tier's forms
+@pytest.mark.parametrize("kind", ["packed", "length not cut in 2R chunks"])
+def test_a_ring_on_packed_documents_and_lengths_2r_does_not_divide_equal_to_eager(kind):
+    run_ranks(ring_sequences_equal_to_eager, 4, kind)
+
+
+def ring_from_a_mesh_equal_to_eager(rank, world_size):
+    """A 4-head Llama at P = 4, which the planner gives Ulysses over every rank, on a ("ring", "sp") mesh
+    of 2 x 2: Ulysses within each "sp" group, the ring across them, as the mesh says."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "sp"))
+    model = tiny_llama(heads=4, kv_heads=2, layers=1)
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=32)
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports, mesh=mesh))(input_ids=ids, labels=labels,
+                                                                            use_cache=False)
+    _plan_and_collectives(reports, world_size, 2, 2)
+    (site,) = reports[0].attention_sites
+    assert "the option ring=2" in site.decision, site.decision  # the mesh's ring dim sets the option
+    assert not reports[0].rank_specific, "one program for every rank"
+    got.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+def test_a_mesh_ring_dim_sets_the_ring_equal_to_eager():
+    run_ranks(ring_from_a_mesh_equal_to_eager, 4)
+
+
 def ring_training_equals_eager(rank, world_size):
     """Three AdamW steps of a 2-head Llama under ZeRO-3 with gradient checkpointing at P = 4 (a ring of
     2 planned, the sequence in the head-tail layout): the loss at every step and every parameter after

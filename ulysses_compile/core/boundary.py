@@ -540,7 +540,7 @@ def _sequence_mesh(options, group):
     def mesh_of(device_type: str) -> DeviceMesh:
         if device_type not in meshes:
             if options.mesh is not None and options.mesh.device_type == device_type:
-                meshes[device_type] = options.mesh["sp"]
+                meshes[device_type] = options.sequence_mesh()
             else:
                 meshes[device_type] = DeviceMesh.from_group(group, device_type, mesh_dim_names=("sp",))
         return meshes[device_type]

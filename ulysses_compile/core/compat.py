@@ -419,3 +419,9 @@ def new_group_named(ranks: list[int], name: str):
         device_id=default.bound_device_id)
     distributed_c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
     return group
+
+
+def flattened_mesh(mesh, dims: tuple[str, ...]):
+    """The one-dim mesh over ``mesh``'s dims ``dims`` together, named ``"_".join(dims)`` (DeviceMesh's
+    ``_flatten``; made once per root mesh, by every rank)."""
+    return mesh[dims]._flatten("_".join(dims))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch.distributed as dist
 
 from ulysses_compile.core.collectives import mesh_group_name
+from ulysses_compile.core.compat import flattened_mesh
 from ulysses_compile.core.errors import OptionsError
 
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -18,7 +19,7 @@ OUTPUT_MODES = ("lazy", "gather", "local", "dtensor")
 @dataclass(frozen=True)
 class Options:
     group: Any = None  # a ProcessGroup; None means the default group
-    mesh: Any = None  # a DeviceMesh with a dim named "sp", and optionally one named "dp" (an "sp" of 1: DP only)
+    mesh: Any = None  # a DeviceMesh with a dim named "sp", optionally "dp" before it and "ring" (an "sp" of 1: DP only)
     outputs: str = "lazy"  # sequence-sharded outputs: gathered when read; "gather": in the graph; "local"; "dtensor"
     compiler: str = "inductor"
     verify: bool | str = False  # True: each graph's first call against eager; "short": the same on a short sequence
@@ -42,6 +43,8 @@ class Options:
             )
         parsed = cls(**options)
         parsed._check()
+        if parsed.mesh is not None and "ring" in parsed.mesh.mesh_dim_names:
+            return replace(parsed, ring=parsed.mesh["ring"].size())
         return parsed
 
     def _check(self) -> None:
@@ -97,10 +100,16 @@ class Options:
                     f"the sequence ranks; pass the sub-mesh without it, e.g. mesh['dp', 'sp'], and leave the "
                     f"model unsharded by tensor parallelism"
                 )
-            if set(names) - {"sp", "dp"} or len(names) != len(set(names)):
+            if names not in (("sp",), ("dp", "sp"), ("ring", "sp"), ("dp", "ring", "sp")):
                 raise OptionsError(
-                    f"option mesh has dims {names}; expected ('sp',) or ('dp', 'sp'), e.g. "
-                    f"init_device_mesh('cpu', (D, P), mesh_dim_names=('dp', 'sp'))"
+                    f"option mesh has dims {names}; expected ('sp',), ('dp', 'sp'), ('ring', 'sp') or ('dp', 'ring', "
+                    f"'sp'), e.g. init_device_mesh('cpu', (D, P), mesh_dim_names=('dp', 'sp')); a 'ring' dim runs "
+                    f"Ulysses over each 'sp' group and ring attention across them"
+                )
+            if "ring" in names and self.ring is not None and self.ring != self.mesh["ring"].size():
+                raise OptionsError(
+                    f"option ring={self.ring} and a mesh whose 'ring' dim has {self.mesh['ring'].size()} ranks: the "
+                    f"mesh sets the ring; leave the option unset"
                 )
 
     def data_parallel_group(self):
@@ -109,9 +118,19 @@ class Options:
             return self.mesh.get_group("dp")
         return None
 
+    def sequence_mesh(self):
+        """The sequence-parallel ranks as a one-dim mesh: the mesh's "sp" dim, or its "ring" and "sp" dims
+        flattened (each "sp" group consecutive: Ulysses within it, the ring across them)."""
+        if "ring" in self.mesh.mesh_dim_names:
+            return flattened_mesh(self.mesh, ("ring", "sp"))
+        return self.mesh["sp"]
+
     def group_name(self) -> str:
         """The name the graphs pass the sequence-parallel group by: one name on every rank of a mesh."""
-        return mesh_group_name(self.mesh, "sp") if self.mesh is not None else self.process_group().group_name
+        if self.mesh is None:
+            return self.process_group().group_name
+        sequence = self.sequence_mesh()
+        return mesh_group_name(sequence, sequence.mesh_dim_names[0])
 
     def data_parallel_group_name(self) -> str:
         return mesh_group_name(self.mesh, "dp")
@@ -119,7 +138,7 @@ class Options:
     def process_group(self):
         """The sequence-parallel group, or None when torch.distributed is not initialized."""
         if self.mesh is not None:
-            return self.mesh.get_group("sp")
+            return self.sequence_mesh().get_group()
         if self.group is not None:
             return self.group
         if dist.is_available() and dist.is_initialized():
