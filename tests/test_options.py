@@ -156,11 +156,15 @@ def test_a_mesh_ring_dim_sets_the_ring_and_the_sequence_group(fake_group):
     ring the "ring" dim's size; an option ring that disagrees, or dims in another order, are refused."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    fake_group(8, rank=5)
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ring", "sp"))
-    options = Options.parse({"mesh": mesh})
-    assert options.ring == 2 and dist.get_process_group_ranks(options.process_group()) == [4, 5, 6, 7]
-    assert dist.get_process_group_ranks(options.data_parallel_group()) == [1, 5]
+    names = set()
+    for rank, sequence_ranks, data_parallel_ranks in [(1, [0, 1, 2, 3], [1, 5]), (6, [4, 5, 6, 7], [2, 6])]:
+        fake_group(8, rank=rank)
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ring", "sp"))
+        options = Options.parse({"mesh": mesh})
+        assert options.ring == 2 and dist.get_process_group_ranks(options.process_group()) == sequence_ranks
+        assert dist.get_process_group_ranks(options.data_parallel_group()) == data_parallel_ranks
+        names.add(options.group_name())  # one name for every replica's group: one program
+    assert len(names) == 1, names
     with pytest.raises(OptionsError, match="option ring=4 and a mesh whose 'ring' dim has 2 ranks"):
         Options.parse({"mesh": mesh, "ring": 4})
     with pytest.raises(OptionsError, match=r"expected \('sp',\), \('dp', 'sp'\), \('ring', 'sp'\)"):

@@ -281,7 +281,7 @@ def ring_from_a_mesh_equal_to_eager(rank, world_size):
                                                                             use_cache=False)
     _plan_and_collectives(reports, world_size, 2, 2)
     (site,) = reports[0].attention_sites
-    assert "the option ring=2" in site.decision, site.decision  # the mesh's ring dim sets the option
+    assert "the mesh's 'ring' dim of 2 ranks" in site.decision, site.decision
     assert not reports[0].rank_specific, "one program for every rank"
     got.loss.backward()
     want = reference(input_ids=ids, labels=labels, use_cache=False)
@@ -581,6 +581,9 @@ class _HandWritten(torch.nn.Module):
         elif self.variant == "an additive causal mask that hides where it is true":
             hidden = torch.arange(seq)[None, :] > torch.arange(seq)[:, None]
             scores = scores * 0.5 + torch.where(hidden, float("-inf"), 0.0)[None, None].expand(batch, 1, seq, seq)
+        elif self.variant == "an additive mask of a finite fill":
+            kept = torch.arange(seq)[None, :] <= torch.arange(seq)[:, None]
+            scores = scores * 0.5 + torch.where(kept, 0.0, -1e4)
         elif self.variant == "an additive sliding window":
             offset = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
             scores = scores * 0.5 + torch.where((offset >= 0) & (offset < 4), 0.0, float("-inf"))
@@ -593,6 +596,7 @@ class _HandWritten(torch.nn.Module):
     ("an additive causal mask that hides where it is true", None, True),
     ("an additive causal mask from positions, and a bias", None, False),
     ("an additive sliding window", None, False),
+    ("an additive mask of a finite fill", None, False),  # -1e4 is not the lowest float: its weights are not 0
     ("a bias, then a scaling", "a scaling after a mask (one attention call scales the scores before it adds its mask)",
      False),
     ("a boolean mask added", "an additive mask of another dtype than q's torch.float32", False),

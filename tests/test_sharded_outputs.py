@@ -251,11 +251,28 @@ def reads_after_one_rank_called_a_graph_alone(rank, world_size):
     assert all(not report.replicated for report in reports), str(reports)
 
 
+def reads_of_a_graph_and_its_no_grad_twin(rank, world_size):
+    ids, _ = token_batch(seq=32)
+    compiled = torch.compile(tiny_llama(layers=1), backend=reporting_backend([]))
+    trained = compiled(input_ids=ids, use_cache=False).logits  # call 1 of the graph
+    with torch.no_grad():
+        evaluated = compiled(input_ids=ids, use_cache=False).logits  # call 1 of the one Dynamo compiles for no_grad
+    with pytest.raises(CollectiveError, match=r"rank [01] read output 0 of call 1 of another graph \((no_)?grad\)"):
+        (trained if rank == 0 else evaluated).sum()
+
+
+def reads_named_by_graph(rank, world_size):
+    reads_after_one_rank_called_a_graph_alone(rank, world_size)
+    torch.compiler.reset()
+    reads_of_a_graph_and_its_no_grad_twin(rank, world_size)
+
+
 @pytest.mark.multirank
 def test_reads_name_the_call_of_their_own_graph():
-    """A read names the output by its graph and that graph's call, so calls one rank made of another
-    graph (one with no collective, made alone) do not make the ranks' later reads disagree."""
-    run_ranks(reads_after_one_rank_called_a_graph_alone, 2)
+    """A read names the output by its graph (its program and grad mode) and that graph's call, so calls
+    one rank made of another graph (one with no collective, made alone) do not make the ranks' later
+    reads disagree, and the outputs of a graph and of its no_grad twin (same program) are told apart."""
+    run_ranks(reads_named_by_graph, 2)
 
 
 def regionally_compiled(rank, world_size, lengths):

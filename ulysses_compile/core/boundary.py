@@ -100,20 +100,26 @@ class _Layout:
 @dataclass(frozen=True)
 class _Read:
     """Which output a first read gathers, named alike on every rank: the graph (a digest of the program
-    every rank compiled), its call (a graph's calls are collective, so every rank counts them alike, and
-    a count kept per graph is untouched by what the ranks did with other graphs) and the output."""
+    every rank compiled, and the grad mode of the call: Dynamo compiles a graph again for ``no_grad``,
+    with the same digest), its call (a graph's calls are collective, so every rank counts them alike, and
+    a count kept per graph is untouched by what the ranks did with other graphs) and the output. Two
+    compiled graphs of one program in one grad mode (the same model compiled twice) count apart: reads
+    of their outputs in different orders on different ranks are not told apart."""
 
     name: str  # "output 1 of compiled graph 0/0"
     graph: int
+    grad: bool
     call: int  # of this graph, from 1
     position: int
 
     def row(self) -> list[int]:
-        return [self.graph, self.call, self.position]
+        return [self.graph, int(self.grad), self.call, self.position]
 
     def describe(self, row: list[int]) -> str:
-        graph, call, position = row
-        return f"output {position} of call {call} of " + ("this graph" if graph == self.graph else "another graph")
+        graph, grad, call, position = row
+        same = (graph, grad) == (self.graph, int(self.grad))
+        return f"output {position} of call {call} of " + ("this graph" if same else
+                                                          f"another graph ({'grad' if grad else 'no_grad'})")
 
 
 @dataclass(frozen=True)
@@ -424,16 +430,16 @@ def _agree_on_read(read: _Read | None, layout: _Layout, device, written: bool) -
             f"or failed: look for its error. Read the outputs on every rank, or compile with "
             f"options={{'outputs': 'gather'}}"
         ) from failure
-    if any(row[:3] != read.row() for row in rows):
-        others = "; ".join(f"rank {rank} read {read.describe(row[:3])}"
-                           for rank, row in enumerate(rows) if row[:3] != read.row())
+    if any(row[:4] != read.row() for row in rows):
+        others = "; ".join(f"rank {rank} read {read.describe(row[:4])}"
+                           for rank, row in enumerate(rows) if row[:4] != read.row())
         raise CollectiveError(
             f"rank {layout.rank}: reading the sequence-sharded {read.name} ({read.describe(read.row())}) "
             f"gathers it from every rank, and the ranks read different outputs: {others}. Read a "
             f"compiled model's outputs on every rank in the same order (not under `if rank == 0:`), or compile "
             f"with options={{'outputs': 'gather'}} to gather them inside the graph"
         )
-    return any(row[3] for row in rows)
+    return any(row[4] for row in rows)
 
 
 class _LeaveSharded(torch.autograd.Function):
@@ -522,7 +528,7 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
                                                        run_check=False)
                 continue
             layout = _Layout(blocks.dim, blocks.outer, blocks.inner, rank, world_size, group_name, blocks.head_tail)
-            read = _Read(f"output {position} of {graph_name}", graph, call, position)
+            read = _Read(f"output {position} of {graph_name}", graph, torch.is_grad_enabled(), call, position)
             length = blocks.whole_length(block, world_size)
             outputs[position] = _LeaveSharded.apply(block, layout, length, read) if position not in sources \
                 else _LeaveShardedLinear.apply(block, sources[position], computed[position], layout, length,
@@ -533,8 +539,8 @@ def leave_sharded(compiled, sharded: dict[int, SequenceBlocks], computed: dict[i
 
 
 def _sequence_mesh(options, group):
-    """The sequence-parallel ranks as a one-dim ``DeviceMesh`` named ``"sp"`` (made once per device type):
-    the mesh option's ``"sp"`` dim, or one over ``group``."""
+    """The sequence-parallel ranks as a one-dim ``DeviceMesh`` (made once per device type): the mesh
+    option's (``Options.sequence_mesh``), or one named ``"sp"`` over ``group``."""
     meshes: dict[str, DeviceMesh] = {}
 
     def mesh_of(device_type: str) -> DeviceMesh:

@@ -163,13 +163,16 @@ def _group_rank_op():
     return group_rank
 
 
-def mesh_group_name(mesh, dim: str) -> str:
+def mesh_group_name(mesh, dim: str, root=None) -> str:
     """A name under which every rank finds its own group along the mesh dim ``dim``, the same on every
     rank (torch names each group of a mesh dim apart, so the ranks' collectives, and code, would differ).
-    A later mesh of the same layout takes the name over: its group along ``dim`` holds the same ranks, so
-    the graphs compiled before it meet alike."""
+    The name comes from the layout of ``root`` (default ``mesh``; for a mesh flattened from dims of a
+    larger one, the larger one, whose layout every rank sees whole). A later mesh of the same layout takes
+    the name over: its group along ``dim`` holds the same ranks, so the graphs compiled before it meet
+    alike."""
     group = mesh.get_group(dim)
-    layout = f"{mesh.device_type} {mesh.mesh_dim_names} {mesh.mesh.tolist()}"
+    root = mesh if root is None else root
+    layout = f"{root.device_type} {root.mesh_dim_names} {root.mesh.tolist()} {dim}"
     name = f"ulysses_{dim}_{hashlib.sha1(layout.encode()).hexdigest()[:12]}"
     try:
         if _resolve_process_group(name).group_name == group.group_name:

@@ -129,8 +129,9 @@ class Options:
         """The name the graphs pass the sequence-parallel group by: one name on every rank of a mesh."""
         if self.mesh is None:
             return self.process_group().group_name
-        sequence = self.sequence_mesh()
-        return mesh_group_name(sequence, sequence.mesh_dim_names[0])
+        if "ring" in self.mesh.mesh_dim_names:
+            return mesh_group_name(self.sequence_mesh(), "ring_sp", root=self.mesh)
+        return mesh_group_name(self.mesh, "sp")
 
     def data_parallel_group_name(self) -> str:
         return mesh_group_name(self.mesh, "dp")

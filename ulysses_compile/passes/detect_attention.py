@@ -80,16 +80,19 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
     blocker = site.form.ring_blocker(site, world_size)
     if forced is not None:
         ulysses = world_size // forced
+        mesh = ctx.options.mesh is not None and "ring" in ctx.options.mesh.mesh_dim_names
+        source, undo = (f"the mesh's 'ring' dim of {forced} ranks", "use a mesh without a 'ring' dim") if mesh \
+            else (f"option ring={forced}", "leave ring unset")
         if blocker is not None:
-            raise DivisibilityError(f"{where}: option ring={forced}: this attention cannot run as a ring: {blocker}; "
-                                    f"leave ring unset (or 1) for Ulysses over the {world_size} ranks")
+            raise DivisibilityError(f"{where}: {source}: this attention cannot run as a ring: {blocker}; "
+                                    f"{undo} (or ring=1) for Ulysses over the {world_size} ranks")
         if world_size % forced or site.heads < ulysses or not site.kv_by_all_to_all(ulysses):
             raise DivisibilityError(
-                f"{where}: option ring={forced} over {world_size} ranks leaves Ulysses groups of "
+                f"{where}: {source} over {world_size} ranks leaves Ulysses groups of "
                 f"{world_size / forced:g} ranks, which must be a whole number that splits the {site.heads} query "
                 f"heads and the {site.kv_heads} key/value heads alike; choose a ring of "
-                f"{_ring_sizes(site, world_size)} ranks, or leave ring unset to plan it")
-        why = f"the option ring={forced}"
+                f"{_ring_sizes(site, world_size)} ranks, or {undo} to plan it")
+        why = f"the {source}"
     else:
         ulysses = max(u for u in _divisors(world_size) if node % u == 0 and site.heads % u == 0
                       and site.kv_by_all_to_all(u))

@@ -61,7 +61,8 @@ class FlashAttention(AttentionForm):
 
     def as_ring_site(self, site):
         """``scaled_dot_product_attention(q^T, k^T, v^T, is_causal=causal, scale=softmax_scale)^T``
-        (``^T``: dims 1 and 2 swapped) in place of the call, read as an SDPA site."""
+        (``^T``: dims 1 and 2 swapped; the result contiguous, as flash-attn's, for views of it) in place of
+        the call, read as an SDPA site (``read`` refused kernel dropout)."""
         graph, call = site.node.graph, site.node
         before = set(graph.nodes)
         query, key, value = (site.entering(role) for role in ("query", "key", "value"))
@@ -71,7 +72,7 @@ class FlashAttention(AttentionForm):
             sdpa = graph.call_function(torch._C._nn.scaled_dot_product_attention, tuple(heads_first), {
                 "scale": call.kwargs["softmax_scale"], "is_causal": call.kwargs["causal"],
                 **({"enable_gqa": True} if grouped else {})})
-            output = graph.call_method("transpose", (sdpa, 1, 2))
+            output = graph.call_method("contiguous", (graph.call_method("transpose", (sdpa, 1, 2)),))
         fill_example_values([node for node in graph.nodes if node not in before], call)
         call.replace_all_uses_with(output)
         graph.erase_node(call)
