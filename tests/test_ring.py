@@ -512,43 +512,32 @@ def test_sequence_layout_plan(fake_group):
         Options.parse({"layout": "zigzag"})
 
 
-def test_hand_written_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
-    """A Llama's eager attention with more ranks than heads: its products, scaling, mask and softmax
-    become the one scaled_dot_product_attention call they compute, planned as a ring (exact and parallel
-    in ``test_hand_written_attention_under_a_ring_equal_to_eager``)."""
-    from graphs import rewritten_graphs
-
-    fake_group(4)
-    ids, labels = token_batch(seq=32)
-    eager = tiny_llama(heads=2, kv_heads=2, layers=1)
-    eager.config._attn_implementation = "eager"
-    (gm,) = rewritten_graphs(eager, (), {"input_ids": ids, "labels": labels, "use_cache": False})
-    report = gm.meta["ulysses_report"]
-    (site,) = report.attention_sites
-    assert (site.spelling, site.ulysses, site.ring) == ("matmul_softmax as scaled_dot_product_attention", 2, 2)
-    assert site.mask_kind() == "causal" and report.head_tail == 2, (site.summary(), report.sequence_layout)
-    targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
-    assert targets.count("ring_attention") == 1 and "softmax" not in targets and "matmul" not in targets, targets
-    assert "where" not in targets and "le" not in targets, targets  # no S x S mask is built
-
-
-def test_transformers_flash_attention_runs_as_the_sdpa_ring_it_computes(fake_group):
-    """A Llama with attn_implementation="flash_attention_2" and more ranks than heads: each flash-attn
-    call becomes the SDPA call it computes, planned as a causal ring in the head-tail layout."""
+@pytest.mark.parametrize("implementation, kv_heads, spelling, ring", [
+    ("eager", 2, "matmul_softmax as scaled_dot_product_attention", 2),
+    ("flash_attention_2", 1, "flash_attn as scaled_dot_product_attention", 4),
+])
+def test_attention_written_otherwise_runs_as_the_sdpa_ring_it_computes(fake_group, implementation, kv_heads,
+                                                                        spelling, ring):
+    """A 2-head Llama at P = 4 with its eager attention (products, scaling, transformers' additive causal
+    mask, softmax) or flash-attn's calls: each becomes the one scaled_dot_product_attention call it
+    computes, is_causal with no mask, planned as a ring in the head-tail layout (exact and parallel in
+    ``test_hand_written_attention_under_a_ring_equal_to_eager`` and the flash forms under a ring)."""
     from flash_attn_stand_in import transformers_uses_flash_attn
     from graphs import rewritten_graphs
 
-    transformers_uses_flash_attn()
+    if implementation == "flash_attention_2":
+        transformers_uses_flash_attn()
     fake_group(4)
     ids, labels = token_batch(seq=32)
-    model = tiny_llama(heads=2, kv_heads=1, layers=2)
-    model.config._attn_implementation = "flash_attention_2"
+    model = tiny_llama(heads=2, kv_heads=kv_heads, layers=2)
+    model.config._attn_implementation = implementation
     (gm,) = rewritten_graphs(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
     report = gm.meta["ulysses_report"]
-    assert [(site.spelling, site.ring, site.mask_kind()) for site in report.attention_sites] == \
-        [("flash_attn as scaled_dot_product_attention", 4, "causal")] * 2, str(report)
-    assert report.head_tail == 4, report.sequence_layout
-    _plan_and_collectives([report], 4, 4, 4)
+    assert [(site.spelling, site.mask_kind()) for site in report.attention_sites] == [(spelling, "causal")] * 2, \
+        str(report)
+    _plan_and_collectives([report], 4, ring, ring)
+    targets = [getattr(node.target, "__name__", node.target) for node in gm.graph.nodes if node.op != "placeholder"]
+    assert not {"softmax", "matmul", "where", "le", "flash_attention"} & set(targets), targets  # no S x S mask
 
 
 class _HandWritten(torch.nn.Module):
