@@ -82,6 +82,15 @@ class TokenLossAndLogits(SDPAttention):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
+class CachedAttention(SDPAttention):
+    """Attention that returns the keys and values it read, as a key/value cache."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        return self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, s, d)), k, v
+
+
 class MultiHeadAttention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -391,6 +400,14 @@ def test_insert_all_to_all(fake_group):
 +    transpose = heads_to_seq.transpose(1, 2)""")
 
 
+def test_keep_cache_on_heads(fake_group):
+    gm, report = _report(fake_group, CachedAttention(), _features())
+    assert [report.sharded_outputs[position].dim for position in (1, 2)] == [1, 1], report.sharded_outputs
+    assert_expected_inline(_changes(report, "keep_cache_on_heads"), """\
+-    return (linear_1, k, v)
++    return (linear_1, getitem_4, getitem_5)""")
+
+
 def test_insert_all_to_all_under_a_ring(fake_group):
     """2 heads over 4 ranks: Ulysses within groups of 2 over their chunk of 16 positions, a ring of 2."""
     fake_group(4)
@@ -463,7 +480,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 19, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 20, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__

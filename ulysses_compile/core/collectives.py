@@ -172,7 +172,7 @@ def mesh_group_name(mesh, dim: str, root=None) -> str:
     alike."""
     group = mesh.get_group(dim)
     root = mesh if root is None else root
-    layout = f"{root.device_type} {root.mesh_dim_names} {root.mesh.tolist()} {dim}"
+    layout = f"{root.device_type} {root.mesh_dim_names} {root.mesh.tolist()}"
     name = f"ulysses_{dim}_{hashlib.sha1(layout.encode()).hexdigest()[:12]}"
     try:
         if _resolve_process_group(name).group_name == group.group_name:

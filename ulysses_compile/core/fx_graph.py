@@ -8,6 +8,7 @@ import inspect
 import operator
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.fx as fx
 
 from ulysses_compile.core.compat import FakeTensor, copy_recompute_tag
@@ -17,6 +18,15 @@ from ulysses_compile.core.ops import in_place_operators
 def ancestors(nodes) -> set[fx.Node]:
     """``nodes`` and every node they are computed from, graph inputs included."""
     return _closure(nodes, lambda node: node.all_input_nodes)
+
+
+def value_ancestors(nodes) -> set[fx.Node]:
+    """``nodes`` and every node whose values they are computed from: not through a size read off a
+    tensor (``x.shape[2]`` in a graph compiled for every length is a node reading ``x``)."""
+    def inputs(node: fx.Node):
+        return [] if isinstance(node.meta.get("example_value"), (int, torch.SymInt)) else node.all_input_nodes
+
+    return _closure(nodes, inputs)
 
 
 def descendants(nodes) -> set[fx.Node]:

@@ -30,9 +30,11 @@ from ulysses_compile.core.collectives import ranks_per_node
 from ulysses_compile.core.compat import recompute_region
 from ulysses_compile.core.errors import DivisibilityError
 from ulysses_compile.core.report import module_path
-from ulysses_compile.core.sharding import block_sizes
-from ulysses_compile.core.sizes import pin_length_class
+from ulysses_compile.core.fx_graph import value_ancestors
+from ulysses_compile.core.sharding import Shard, block_sizes
+from ulysses_compile.core.sizes import is_symbolic, pin_length_class
 from ulysses_compile.passes.attention_forms import AttentionSite, reading_form
+from ulysses_compile.passes.attention_forms.sdpa import SDPA
 
 log = logging.getLogger("ulysses_compile")
 
@@ -72,6 +74,11 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
     a ring over the groups; ``ring=R`` sets the ring's size. Past a node only (at least as many heads as ranks),
     a site that cannot run as a ring, or whose ring would be every rank, keeps Ulysses over the group."""
     world_size, forced = ctx.world_size, ctx.options.ring
+    if _reads_cache_heads(site, ctx):
+        heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+        return replace(site, ulysses=world_size, on_cache_heads=True, decision=(
+            f"parallelized on the rank's heads of its key/value cache (heads per rank {heads}; {site.seq_len} "
+            f"new positions, fewer than the ranks): no all-to-all, the output gathered over the heads"))
     node = ranks_per_node(ctx.group_name)
     if forced == 1 or forced is None and site.heads >= world_size and node == world_size:
         _check_heads(site, world_size)
@@ -115,6 +122,20 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
         f"Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks"
     return replace(site.form.as_ring_site(site), ulysses=ulysses, ring=ring,
                    decision=f"parallelized: {plan}, {why}{_checkpointed(site)}")
+
+
+def _reads_cache_heads(site: AttentionSite, ctx) -> bool:
+    """Whether the site decodes over a head-sharded key/value cache: an SDPA call with fewer queries than
+    ranks whose key and value are each computed from a value the query is not, which a graph before
+    this one left sharded on its heads dim (the cache it returned), with key/value heads that split like
+    the query heads."""
+    if site.form is not SDPA or is_symbolic(site.seq_len) or site.seq_len >= ctx.world_size \
+            or not site.kv_by_all_to_all(ctx.world_size):
+        return False
+    on_heads = {node for node, placement in ctx.lazy_inputs.items() if placement == Shard(site.head_axis)
+                and node.meta["example_value"].shape[site.head_axis] == site.kv_heads}
+    query = value_ancestors([site.entering("query")])
+    return all(on_heads & value_ancestors([site.entering(role)]) - query for role in ("key", "value"))
 
 
 def _divisors(n: int) -> list[int]:

@@ -54,6 +54,13 @@ its keys and values travel round a ring of the R ranks at one place in every gro
 Key/value heads the model repeats travel un-repeated (the ring's kernel broadcasts them); with U = 1
 nothing is exchanged by all-to-all and the ring runs on the sequence blocks as they are.
 
+A site that decodes over a key/value cache on the rank's heads (``on_cache_heads``: fewer new tokens
+than ranks, ``keep_cache_on_heads``) has q, k and v on the rank's heads already (``redistribute`` took
+q's from the whole); only its output is gathered over the heads, and the step runs whole after it::
+
+    out_h = scaled_dot_product_attention(q_h, k_h, v_h, enable_gqa=True)   # [B, H/P, 1, D]
+    out = gather_seq(out_h, 1, 1, 1, H, rank, P, group)                     # [B, H, 1, D] on every rank
+
 Pinned on small models: ``tests/test_pass_goldens.py::test_insert_all_to_all`` and
 ``test_insert_all_to_all_under_a_ring``.
 """
@@ -67,6 +74,7 @@ import torch.fx as fx
 
 from ulysses_compile.core.collectives import (
     gather_kv_heads,
+    gather_seq,
     heads_to_seq,
     insert_call,
     seq_to_heads,
@@ -74,12 +82,15 @@ from ulysses_compile.core.collectives import (
     sequence_subgroups,
 )
 from ulysses_compile.core.runtime import repeat_heads
-from ulysses_compile.core.sharding import NodeSharding, Shard, place, sharding_of
+from ulysses_compile.core.sharding import REPLICATE, NodeSharding, Shard, place, sharding_of
 
 
 def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
     graph = gm.graph
     for site in sites:
+        if site.on_cache_heads:
+            _on_cache_heads(graph, site, ctx)
+            continue
         if site.ring == 1:
             _to_heads_and_back(graph, site, ctx)
             continue
@@ -120,6 +131,19 @@ def _to_heads_and_back(graph: fx.Graph, site, ctx) -> None:
         _mark(output, site.heads_placement(), output)
     for repeated, source in replaced:
         _erase_unused_chain(graph, repeated, source)
+
+
+def _on_cache_heads(graph: fx.Graph, site, ctx) -> None:
+    """Decoding over a head-sharded key/value cache: q, k and v hold the rank's heads (``redistribute``
+    took q's); the output is gathered over the heads."""
+    site.form.on_rank_heads(site, ctx)
+    output = site.form.output(site)
+    rank = ctx.rank_for(graph, site.heads, site.kv_heads)  # only heads are split here
+    whole = _mark(insert_call(graph, gather_seq, (output, site.head_axis, 1, 1, site.heads, rank, ctx.world_size,
+                                                  ctx.group_name), after=output),
+                  REPLICATE, output)
+    output.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+    _mark(output, Shard(site.head_axis), output)
 
 
 def _ring_only(graph: fx.Graph, site) -> None:

@@ -50,6 +50,7 @@ from ulysses_compile.passes.detect_attention import AttentionSite, Detection, de
 from ulysses_compile.passes.drop_dead_values import drop_dead_values
 from ulysses_compile.passes.inline_checkpoint_regions import inline_checkpoint_regions, recompute_inserted_nodes
 from ulysses_compile.passes.insert_all_to_all import insert_all_to_all
+from ulysses_compile.passes.keep_cache_on_heads import keep_cache_on_heads
 from ulysses_compile.passes.localize_ops import localize_ops
 from ulysses_compile.passes.merge_gradient_reductions import merge_gradient_reductions
 from ulysses_compile.passes.plan_sequence_layout import plan_sequence_layout
@@ -149,6 +150,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     _run(report, regather_parameters, gm, ctx)
     report.computed_outputs = _run(report, return_weight_inputs, gm, ctx, tiled.computed)
     _run(report, insert_all_to_all, gm, ctx, sites)
+    report.sharded_outputs = _run(report, keep_cache_on_heads, gm, ctx, sites, report.sharded_outputs)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
 
@@ -255,7 +257,8 @@ def _why_replicated(detection: Detection, ctx: PassContext) -> str:
     if not sites:
         return "no attention in this graph"
     # For a symbolic length this comparison becomes a guard: a shorter call compiles its own graph.
-    short = [length for site in sites for length in (site.seq_len, site.kv_seq_len) if length < world_size]
+    short = [length for site in sites if not site.on_cache_heads
+             for length in (site.seq_len, site.kv_seq_len) if length < world_size]
     if short:
         return f"a sequence of {short[0]} positions is shorter than the {world_size} sequence-parallel ranks"
     return ""

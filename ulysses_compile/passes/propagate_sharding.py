@@ -130,7 +130,9 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
-    starts = (feeds_attention | reads_lazy) - feeds_masks - views_of_written
+    on_cache_heads = {site.node: site for site in sites if site.on_cache_heads}
+    # Decoding on a cache's heads: only the cache is sharded (its heads), the new positions stay whole.
+    starts = (reads_lazy if on_cache_heads else feeds_attention | reads_lazy) - feeds_masks - views_of_written
     view = RuleView(_output_placement, ctx.world_size)
     placed = _Placed()
     for node in gm.graph.nodes:
@@ -147,6 +149,8 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                 placed.fallbacks.append(_fallback_report(node, view, whole[node], gathered=False))
             elif any(is_rank_local(view.placement(arg)) for arg in view.tensor_args(node)):
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
+        elif node in on_cache_heads:
+            place(node, _on_cache_heads(on_cache_heads[node], value))
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
@@ -190,6 +194,15 @@ def _head_parallel_nodes(sites) -> dict[fx.Node, tuple]:
             nodes[node] = (site.heads_placement(head_axis),
                            {**{arg: site.heads_placement(dim) for arg, dim in operands.items()}, **entering})
     return nodes
+
+
+def _on_cache_heads(site, value) -> NodeSharding:
+    """An attention decoding over a head-sharded cache: q, k and v the rank's heads (q taken from the
+    whole), the mask whole; the output whole (``insert_all_to_all`` gathers it over the heads)."""
+    by_heads = Shard(site.head_axis)
+    inputs = {site.entering(role): by_heads for role in ("query", "key", "value")}
+    inputs.update({mask: REPLICATE for mask in site.mask_inputs()})
+    return NodeSharding(_replicated_like(value), value, inputs)
 
 
 def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):

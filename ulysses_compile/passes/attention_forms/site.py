@@ -74,6 +74,9 @@ class AttentionSite:
     # a ring of ``ring`` ranks (``ring`` 1: Ulysses over the whole group)
     ulysses: int = 1
     ring: int = 1
+    # Decoding: fewer queries than ranks, keys and values the rank's heads of a head-sharded KV cache (a
+    # graph before this one left them so): q taken to the rank's heads, no all-to-all, the output gathered
+    on_cache_heads: bool = False
     decision: str = ""  # what the rewrite does at this world size
 
     def merged_heads_args(self) -> tuple:

@@ -1,0 +1,131 @@
+"""Long-context inference on the compiled model: the prompt's graph runs sequence-parallel and leaves
+its key/value cache on the rank's heads (each rank 1/P of it, every position); each decoding step (fewer
+new tokens than ranks) attends over the rank's heads of the cache where they lie, with no all-to-all and
+no gather of the cache, and its logits equal eager's (teacher-forced), as do ``generate()``'s tokens,
+greedy and sampled, on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphs import reporting_backend
+from models import tiny_llama, token_batch
+from multirank import assert_close, run_ranks
+
+from ulysses_compile.core.boundary import GatheredOnUse
+
+pytestmark = pytest.mark.multirank
+
+
+def _model(name: str, kv_heads: int):
+    if name == "llama":
+        return tiny_llama(heads=2 * kv_heads, kv_heads=kv_heads, layers=2)
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=2048))
+
+
+def _cache_bytes_on_heads(cache, kv_heads: int, world_size: int, length: int) -> int:
+    """Every layer's keys and values are the rank's kv_heads / P heads at every position, not read (so
+    not gathered); returns their bytes on this rank."""
+    held = 0
+    for layer, entry in enumerate(cache.layers):
+        for name in ("keys", "values"):
+            value = getattr(entry, name)
+            assert isinstance(value, GatheredOnUse) and not value.gathered, (layer, name, type(value))
+            block = value._block
+            assert tuple(block.shape[1:3]) == (kv_heads // world_size, length), (layer, name, tuple(block.shape))
+            held += block.numel() * block.element_size()
+    return held
+
+
+def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
+    model = _model(name, kv_heads)
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=prompt)
+    continuation, _ = token_batch(seq=steps, seed=7)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports))
+    with torch.no_grad():
+        got, want = compiled(input_ids=ids, use_cache=True), reference(input_ids=ids, use_cache=True)
+        (prefill,) = reports
+        assert len(prefill.attention_sites) == 2 and not prefill.replicated, str(prefill)
+        cache, want_cache = got.past_key_values, want.past_key_values
+        held = _cache_bytes_on_heads(cache, kv_heads, world_size, prompt)
+        whole = sum(tensor.numel() * tensor.element_size() for layer in want_cache.layers
+                    for tensor in (layer.keys, layer.values))
+        assert held * world_size == whole, (held, whole)  # 1/P of eager's cache bytes
+        assert_close(f"rank {rank} prompt logits", got.logits, want.logits)
+        for step in range(steps):
+            token = continuation[:, step:step + 1]
+            got = compiled(input_ids=token, past_key_values=cache, use_cache=True)
+            want = reference(input_ids=token, past_key_values=want_cache, use_cache=True)
+            assert_close(f"rank {rank} logits of step {step}", got.logits, want.logits)
+            cache, want_cache = got.past_key_values, want.past_key_values
+            _cache_bytes_on_heads(cache, kv_heads, world_size, prompt + step + 1)
+    decoding = reports[1:]
+    assert decoding and all(site.on_cache_heads for report in decoding for site in report.attention_sites), \
+        [site.summary() for report in decoding for site in report.attention_sites]
+    for report in decoding:
+        kinds = [call.kind for call in report.collectives]
+        assert not report.replicated and kinds.count("gather_seq") == len(report.attention_sites) == 2, kinds
+        assert not {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"} & set(kinds), kinds
+    for layer, (entry, want_entry) in enumerate(zip(cache.layers, want_cache.layers)):
+        assert_close(f"rank {rank} layer {layer} keys", entry.keys, want_entry.keys)  # read: gathered over heads
+        assert_close(f"rank {rank} layer {layer} values", entry.values, want_entry.values)
+
+
+def _agreed_prefix(tokens: torch.Tensor, logits: tuple, new: int) -> int:
+    """How many of eager's new greedy tokens are decided: up to the first step whose top-2 logits are
+    within 1e-3 (a near tie, which rounding may flip)."""
+    for step, step_logits in enumerate(logits):
+        top = step_logits.topk(2, dim=-1).values
+        if (top[:, 0] - top[:, 1]).min() < 1e-3:
+            return step
+    return new
+
+
+def generated_equal_to_eager(rank, world_size):
+    model = _model("llama", 2)
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=48)
+    reports = []
+    model.compile(backend=reporting_backend(reports))
+    new = 8
+    got = model.generate(ids, max_new_tokens=new, do_sample=False)
+    want = reference.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    decided = _agreed_prefix(want.sequences, want.logits, new)
+    assert decided > 0 and torch.equal(got[:, :48 + decided], want.sequences[:, :48 + decided]), (got, want.sequences)
+    assert all(site.on_cache_heads for report in reports[1:] for site in report.attention_sites) and len(reports) > 1
+    torch.manual_seed(5)
+    sampled = model.generate(ids, max_new_tokens=new, do_sample=True, top_k=0)
+    torch.manual_seed(5)
+    want_sampled = reference.generate(ids, max_new_tokens=new, do_sample=True, top_k=0)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, sampled.tolist())
+    assert all(tokens == everyone[0] for tokens in everyone), everyone  # the same draws on every rank
+    assert torch.equal(sampled, want_sampled), (sampled, want_sampled)
+
+
+@pytest.mark.parametrize("name, world_size, kv_heads, prompt", [
+    pytest.param("llama", 2, 2, 64, id="llama-P2"),
+    pytest.param("llama", 4, 4, 1024, id="llama-P4-1024", marks=pytest.mark.slow),
+    pytest.param("qwen3", 2, 2, 1024, id="qwen3-P2-1024", marks=pytest.mark.slow),
+    pytest.param("qwen3", 4, 4, 1024, id="qwen3-P4-1024", marks=pytest.mark.slow),
+])
+def test_decoding_reads_the_rank_heads_of_the_cache_equal_to_eager(name, world_size, kv_heads, prompt):
+    run_ranks(decoding_on_cache_heads, world_size, name, kv_heads, prompt, 3)
+
+
+def test_generate_on_the_compiled_model_equals_eager():
+    """``model.compile(backend=...)`` then ``model.generate()``, unchanged: greedy tokens eager's (up to a
+    near tie), sampled tokens with one seed the same on every rank and eager's."""
+    run_ranks(generated_equal_to_eager, 2)
