@@ -73,6 +73,9 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
     decoding = reports[1:]
     assert decoding and all(site.on_cache_heads for report in decoding for site in report.attention_sites), \
         [site.summary() for report in decoding for site in report.attention_sites]
+    # one graph for the first step's length, one for every later length: the cache's is not split, so no
+    # graph per remainder mod P (past Dynamo's limit of 8 graphs, decoding would run eagerly)
+    assert len(decoding) == 2, [site.summary() for report in decoding for site in report.attention_sites]
     for report in decoding:
         kinds = [call.kind for call in report.collectives]
         assert not report.replicated and kinds.count("gather_seq") == len(report.attention_sites) == 2, kinds
@@ -104,7 +107,8 @@ def generated_equal_to_eager(rank, world_size):
                               return_dict_in_generate=True)
     decided = _agreed_prefix(want.sequences, want.logits, new)
     assert decided > 0 and torch.equal(got[:, :48 + decided], want.sequences[:, :48 + decided]), (got, want.sequences)
-    assert all(site.on_cache_heads for report in reports[1:] for site in report.attention_sites) and len(reports) > 1
+    assert len(reports) > 1 and all(site.on_cache_heads and not report.replicated
+                                    for report in reports[1:] for site in report.attention_sites)
     torch.manual_seed(5)
     sampled = model.generate(ids, max_new_tokens=new, do_sample=True, top_k=0)
     torch.manual_seed(5)
@@ -113,6 +117,14 @@ def generated_equal_to_eager(rank, world_size):
     dist.all_gather_object(everyone, sampled.tolist())
     assert all(tokens == everyone[0] for tokens in everyone), everyone  # the same draws on every rank
     assert torch.equal(sampled, want_sampled), (sampled, want_sampled)
+    verified, reports = _model("llama", 2), []
+    verified.compile(backend=reporting_backend(reports, verify="short"), dynamic=True)
+    checked = 48 + min(decided, 3)
+    assert torch.equal(verified.generate(ids, max_new_tokens=3, do_sample=False)[:, :checked],
+                       want.sequences[:, :checked])
+    prompt, step = reports  # every length at once: the prompt checked on a short one, decoding has none
+    assert any("verify='short': at sequence length" in note for note in prompt.notes), prompt.notes
+    assert any("a decoding step over a key/value cache" in note for note in step.notes), step.notes
 
 
 @pytest.mark.parametrize("name, world_size, kv_heads, prompt", [
@@ -122,10 +134,11 @@ def generated_equal_to_eager(rank, world_size):
     pytest.param("qwen3", 4, 4, 1024, id="qwen3-P4-1024", marks=pytest.mark.slow),
 ])
 def test_decoding_reads_the_rank_heads_of_the_cache_equal_to_eager(name, world_size, kv_heads, prompt):
-    run_ranks(decoding_on_cache_heads, world_size, name, kv_heads, prompt, 3)
+    run_ranks(decoding_on_cache_heads, world_size, name, kv_heads, prompt, 4)
 
 
 def test_generate_on_the_compiled_model_equals_eager():
     """``model.compile(backend=...)`` then ``model.generate()``, unchanged: greedy tokens eager's (up to a
-    near tie), sampled tokens with one seed the same on every rank and eager's."""
+    near tie), sampled tokens with one seed the same on every rank and eager's; under ``verify="short"``
+    (``dynamic=True``) the prompt's graph is checked and the decoding step's passes unchecked."""
     run_ranks(generated_equal_to_eager, 2)

@@ -74,8 +74,10 @@ def one_program(rank, world_size, dump_dir, mesh_shape, ring=None):
         assert other_codes == codes, f"rank {other}'s Inductor code differs from rank {rank}'s"
 
 
-@pytest.mark.parametrize("world_size,mesh_shape,ring", [(2, None, None), (4, None, None), (4, (2, 2), None),
-                                                        (4, None, 2)], ids=["P2", "P4", "dp2-sp2", "P4-ring2"])
+@pytest.mark.parametrize("world_size,mesh_shape,ring", [
+    pytest.param(2, None, None, id="P2"), pytest.param(4, None, None, id="P4"),
+    pytest.param(4, (2, 2), None, id="dp2-sp2", marks=pytest.mark.slow),  # the suite's time; a 2 x 2 ring mesh
+    pytest.param(4, None, 2, id="P4-ring2")])                              # is in test_ring's default tier
 def test_every_rank_compiles_one_program(world_size, mesh_shape, ring, tmp_path):
     run_ranks(one_program, world_size, str(tmp_path), mesh_shape, ring)
 
@@ -97,6 +99,7 @@ def _compile_on_rank(rank: int, world_size: int, init) -> dict[str, int]:
     return {key: value for key, value in dynamo_counters["inductor"].items() if key.startswith("fxgraph_cache")}
 
 
+@pytest.mark.slow  # the suite's time (50-85 s)
 def test_the_inductor_cache_one_rank_fills_serves_the_others(fake_group, tmp_path, monkeypatch):
     """Ranks compiled one after another in one process, each on a fake group: rank 0 fills a fresh cache
     (a miss per graph, forward and backward), ranks 1 to 3 hit it and miss nothing."""

@@ -13,8 +13,10 @@ between them become the one ``scaled_dot_product_attention`` call they compute
 :class:`AttentionSite` per call, read by the form the node belongs to (``ulysses_compile/passes/attention_forms/``),
 with its module path, heads, KV heads, head dim, sequence lengths and mask, and why each softmax or
 attention call that is not a site is not, and each site's plan (``_planned``: Ulysses over every rank,
-or Ulysses x ring). A site with no plan raises here, before any rewrite. A symbolic sequence length
-is guarded to its class (``sizes.pin_length_class``), the same on every rank.
+or Ulysses x ring; or, decoding fewer new tokens than ranks over a key/value cache a graph before left
+on the rank's heads, ``on_cache_heads``). A site with no plan raises here, before any rewrite. A
+symbolic sequence length that is split is guarded to its class (``sizes.pin_length_class``), the same
+on every rank.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_detect_attention``.
 """
@@ -57,9 +59,12 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
                 rejected.append(f"{module_path(node) or node.name}: {site}")
                 log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
-        pin_length_class(site.seq_len, ctx.world_size)
-        pin_length_class(site.kv_seq_len, ctx.world_size)
-        site = _planned(site, ctx)
+        if _reads_cache_heads(site, ctx):  # no length is split: no guard on its class
+            site = _on_cache_heads(site, ctx.world_size)
+        else:
+            pin_length_class(site.seq_len, ctx.world_size)
+            pin_length_class(site.kv_seq_len, ctx.world_size)
+            site = _planned(site, ctx)
         log.debug("ulysses_compile: attention %s", site.summary())
         sites.append(site)
     return Detection(sites, rejected)
@@ -74,11 +79,6 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
     a ring over the groups; ``ring=R`` sets the ring's size. Past a node only (at least as many heads as ranks),
     a site that cannot run as a ring, or whose ring would be every rank, keeps Ulysses over the group."""
     world_size, forced = ctx.world_size, ctx.options.ring
-    if _reads_cache_heads(site, ctx):
-        heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
-        return replace(site, ulysses=world_size, on_cache_heads=True, decision=(
-            f"parallelized on the rank's heads of its key/value cache (heads per rank {heads}; {site.seq_len} "
-            f"new positions, fewer than the ranks): no all-to-all, the output gathered over the heads"))
     node = ranks_per_node(ctx.group_name)
     if forced == 1 or forced is None and site.heads >= world_size and node == world_size:
         _check_heads(site, world_size)
@@ -124,13 +124,20 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
                    decision=f"parallelized: {plan}, {why}{_checkpointed(site)}")
 
 
+def _on_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
+    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    return replace(site, ulysses=world_size, on_cache_heads=True, decision=(
+        f"parallelized on the rank's heads of its key/value cache (heads per rank {heads}; {site.seq_len} "
+        f"new positions, fewer than the ranks): no all-to-all, the output gathered over the heads"))
+
+
 def _reads_cache_heads(site: AttentionSite, ctx) -> bool:
     """Whether the site decodes over a head-sharded key/value cache: an SDPA call with fewer queries than
     ranks whose key and value are each computed from a value the query is not, which a graph before
     this one left sharded on its heads dim (the cache it returned), with key/value heads that split like
     the query heads."""
     if site.form is not SDPA or is_symbolic(site.seq_len) or site.seq_len >= ctx.world_size \
-            or not site.kv_by_all_to_all(ctx.world_size):
+            or site.heads < ctx.world_size or not site.kv_by_all_to_all(ctx.world_size):
         return False
     on_heads = {node for node, placement in ctx.lazy_inputs.items() if placement == Shard(site.head_axis)
                 and node.meta["example_value"].shape[site.head_axis] == site.kv_heads}

@@ -19,7 +19,8 @@ and a graph with fewer new positions than ranks that attends over them (``detect
 ``on_cache_heads``) computes its attention on the rank's heads of the cache, with no all-to-all: the
 key/value cache of each rank holds 1/P of it, as in the prompt's graph. Only outputs left lazily
 (``outputs="lazy"``, the default) of attention under Ulysses alone (no ring), whose key/value heads split
-like the query heads (else the cache stays in sequence blocks, and decoding reads it whole).
+like the query heads (else the cache stays in sequence blocks, and decoding reads it whole), and not
+written in place after the all-to-all.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_keep_cache_on_heads``.
 """
@@ -33,6 +34,7 @@ import torch.fx as fx
 from ulysses_compile.core.boundary import SequenceBlocks
 from ulysses_compile.core.collectives import seq_to_heads, seq_to_heads_qkv
 from ulysses_compile.core.sharding import Shard, sharding_of
+from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 
 
 def keep_cache_on_heads(gm: fx.GraphModule, ctx, sites: list, sharded: dict[int, SequenceBlocks]) \
@@ -45,12 +47,15 @@ def keep_cache_on_heads(gm: fx.GraphModule, ctx, sites: list, sharded: dict[int,
     for site in sites:
         if site.ring == 1 and not site.on_cache_heads and site.kv_by_all_to_all(ctx.world_size):
             on_heads.update(_heads_of(gm.graph, site.head_axis))
+    bases = alias_bases(gm.graph)
+    written = written_bases(gm.graph, bases)
     output = gm.graph.output_node()
     values = output.args[0]  # Dynamo's graphs return a flat tuple
     flat = list(values) if isinstance(values, (tuple, list)) else [values]
     kept = dict(sharded)
     for position, value in enumerate(flat):
-        if position in sharded and value in on_heads:
+        # (a value written in place may have changed since the all-to-all read it)
+        if position in sharded and value in on_heads and bases.get(value, value) not in written:
             flat[position] = local = on_heads[value]
             dim = sharding_of(local).output.dim
             kept[position] = SequenceBlocks(dim, 1, 1, sharding_of(local).global_value.shape[dim])
