@@ -309,3 +309,22 @@ def test_explain_shows_the_ring_plan_and_its_bytes_against_their_minimum(monkeyp
     report = explain(tiny_llama(heads=4, kv_heads=1, layers=1), world_size=4, **kwargs)
     assert "across nodes without a ring: no group on one node splits the query and key/value heads" in \
            report.attention_sites[0].decision
+
+
+def test_explain_generation_shows_the_prompt_and_decoding_plans_and_the_cache_per_rank(tmp_path, capsys):
+    """The prompt's call with a KV cache and two decoding steps, at P = 2 in this process (and at P = 4
+    from the CLI): the prompt parallel, each step's attention on the rank's heads of the cache, the cache
+    per rank 1/P of one device's."""
+    from ulysses_compile import explain_generation
+
+    ids, _ = token_batch(seq=32)
+    report = explain_generation(tiny_llama(heads=4, kv_heads=2, layers=2), ids, world_size=2, new_tokens=2)
+    assert len(report.prompt) == 1 and not report.prompt[0].replicated, str(report)
+    assert report.decoding and all(site.on_cache_heads for graph in report.decoding for site in graph.attention_sites)
+    assert report.cache_bytes * 2 == report.whole_cache_bytes and report.cache_layout == "the rank's heads"
+    text = str(report)
+    assert "decoding: collectives per call: gather_seq x2" in text and "0.500 of one device's" in text, text
+    (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
+    assert cli.main(["explain", f"{tmp_path}/model.py:make", "--world-size", "4", "--generate", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "on the rank's heads of its key/value cache" in printed and "0.250 of one device's" in printed, printed

@@ -15,7 +15,7 @@ from ulysses_compile.core.errors import (
 from ulysses_compile.core.options import Options
 from ulysses_compile.core.report import Report
 from ulysses_compile.data import SequenceParallelLoader
-from ulysses_compile.explain import explain
+from ulysses_compile.explain import explain, explain_generation
 from ulysses_compile.zero import full_state_dict, parallelize, save_pretrained
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedError",
     "VerificationError",
     "explain",
+    "explain_generation",
     "full_state_dict",
     "parallelize",
     "save_pretrained",

@@ -81,6 +81,16 @@ def _explain(arguments) -> int:
     started = time.perf_counter()
     lengths = {} if arguments.seq_len is None else {"seq_len": arguments.seq_len}
     model, args, kwargs = build(arguments.factory, **lengths)
+    if arguments.generate:
+        from ulysses_compile.explain import explain_generation
+
+        kwargs = {key: value for key, value in kwargs.items() if key not in ("labels", "use_cache")}
+        print(f"explain: {type(model).__name__} from {arguments.factory}: its prompt and {arguments.generate} "
+              f"decoding step(s) at {arguments.world_size} simulated ranks ...", flush=True)
+        print(explain_generation(model, kwargs.pop("input_ids"), world_size=arguments.world_size,
+                                 new_tokens=arguments.generate, rank=arguments.rank, **kwargs))
+        print(f"explain: done in {time.perf_counter() - started:.1f} s")
+        return 0
     print(f"explain: {type(model).__name__} from {arguments.factory} at {arguments.world_size} simulated "
           f"ranks (this process is rank {arguments.rank}), ZeRO stage {arguments.zero_stage} ...", flush=True)
     report = explain(model, *args, world_size=arguments.world_size, rank=arguments.rank,
@@ -211,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("factory", help=FACTORY_HELP)
         command.add_argument("--world-size", "-P", type=int, required=True, help="the number of ranks P")
     explain.add_argument("--rank", type=int, default=0, help="the rank whose program is reported (default 0)")
+    explain.add_argument("--generate", type=int, default=0, metavar="N",
+                         help="report inference instead: the prompt with a KV cache, then N decoding steps")
     explain.add_argument("--seq-len", type=int, help="call FACTORY(seq_len=N): plan at this sequence length")
     explain.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                          help="plan ulysses_compile.parallelize(model, zero_stage=K) (default 0)")

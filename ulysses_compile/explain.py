@@ -17,6 +17,10 @@ fake CPU tensors (tied weights stay tied), and the report is the one real weight
 each graph's notes.
 
 Like ``torch._dynamo.explain`` it resets the compiler's caches first.
+
+``explain_generation(model, input_ids, world_size=P, new_tokens=N)`` does the same for inference: the
+prompt's call with a KV cache (``use_cache=True``) and N decoding steps over it, under ``no_grad``; it
+reports each call's plan and collectives and the cache each rank holds against one device's.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ulysses_compile.backend import aot, reduce_scatter_bucket_mib, rewrite
-from ulysses_compile.core.boundary import leave_sharded
+from ulysses_compile.backend import aot, reduce_scatter_bucket_mib, rewrite, ulysses
+from ulysses_compile.core.boundary import GatheredOnUse, leave_sharded
 from ulysses_compile.core.collectives import ring_rank
 from ulysses_compile.core.compat import (
     BackendCompilerFailed,
@@ -49,7 +53,7 @@ from ulysses_compile.core.compat import (
 from ulysses_compile.core.errors import UlyssesError
 from ulysses_compile.core.memory import GraphMemory, StepMemory
 from ulysses_compile.core.options import Options
-from ulysses_compile.core.report import CollectiveCall, Report, SiteReport, module_path
+from ulysses_compile.core.report import CollectiveCall, GraphReport, Report, SiteReport, module_path
 from ulysses_compile.core.ring_attention import causal_work, ring_attention_ops
 from ulysses_compile.core.sharding import block_sizes, sharding_of
 from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
@@ -78,16 +82,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     parameter (AdamW and Adam: 2; SGD with momentum: 1). ``dynamic=True`` traces with symbolic sizes (torch.compile's), so the estimate is a
     function of the sequence length (``report.memory.at({symbol: length})``, ``.longest``). The model is
     traced as ``parallelize`` traces it: a checkpointed region that mutates Python state is traced whole."""
-    if not isinstance(world_size, int) or world_size < 2:
-        raise UlyssesError(f"explain(world_size={world_size!r}): expected the number of ranks to simulate, 2 or more")
-    if not 0 <= rank < world_size:
-        raise UlyssesError(f"explain(rank={rank!r}): expected a rank in 0..{world_size - 1}")
-    if dist.is_initialized():
-        raise UlyssesError(
-            "explain simulates the ranks with a process group of its own, and torch.distributed is already "
-            "initialized in this process; call explain before init_process_group, or in another process "
-            "(python -m ulysses_compile explain FILE.py:FACTORY --world-size P)"
-        )
+    _check_simulation("explain", world_size, rank)
     if not (isinstance(optimizer_states, int) and optimizer_states >= 0):
         raise UlyssesError(f"explain(optimizer_states={optimizer_states!r}): expected how many tensors the size "
                            f"of each parameter the optimizer keeps, 0 or more (AdamW: 2)")
@@ -139,6 +134,99 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     report.memory = _step_memory(model, [(index, explained[index].memory) for index in report.runs
                                          if explained[index].memory is not None], optimizer_states, hints)
     return report
+
+
+def _check_simulation(name: str, world_size, rank) -> None:
+    if not isinstance(world_size, int) or world_size < 2:
+        raise UlyssesError(f"{name}(world_size={world_size!r}): expected the number of ranks to simulate, 2 or more")
+    if not 0 <= rank < world_size:
+        raise UlyssesError(f"{name}(rank={rank!r}): expected a rank in 0..{world_size - 1}")
+    if dist.is_initialized():
+        raise UlyssesError(
+            f"{name} simulates the ranks with a process group of its own, and torch.distributed is already "
+            f"initialized in this process; call {name} before init_process_group, or in another process "
+            f"(python -m ulysses_compile explain FILE.py:FACTORY --world-size P)"
+        )
+
+
+@dataclass
+class GenerationReport:
+    """What ``explain_generation`` found for rank ``rank`` of ``world_size``: the graphs of the prompt's
+    call and of the decoding steps (each a ``GraphReport``: sites with their plans, collectives), and the
+    KV cache this rank holds after the last step against one device's."""
+
+    world_size: int
+    rank: int
+    prompt: list[GraphReport]
+    decoding: list[GraphReport]
+    cache_bytes: int
+    whole_cache_bytes: int
+    cache_layout: str  # how the rank holds it: its heads, its sequence blocks, or whole
+
+    def __str__(self) -> str:
+        lines = [f"ulysses_compile generation at P = {self.world_size} (rank {self.rank}): the prompt in "
+                 f"{len(self.prompt)} graph(s), decoding in {len(self.decoding)} graph(s)"]
+        for name, graphs in (("prompt", self.prompt), ("decoding", self.decoding)):
+            for graph in graphs:
+                if graph.replicated:
+                    lines.append(f"  {name}: runs replicated: {graph.replicated}")
+                lines += [f"  {name}: {site.summary()}" for site in graph.attention_sites]
+                kinds = Counter(call.kind for call in graph.collectives if call.kind not in _BACKWARD_ONLY)
+                lines.append(f"  {name}: collectives per call: "
+                             + (", ".join(f"{kind} x{count}" for kind, count in kinds.items()) or "none"))
+        share = self.cache_bytes / self.whole_cache_bytes if self.whole_cache_bytes else 0.0
+        lines.append(f"  KV cache per rank: {self.cache_bytes:,} bytes, {share:.3f} of one device's "
+                     f"{self.whole_cache_bytes:,} ({self.cache_layout})")
+        return "\n".join(lines)
+
+
+_BACKWARD_ONLY = ("sync_grad", "average_grad")  # identities forward: their reductions run in a backward
+
+
+def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world_size: int, new_tokens: int = 2,
+                       rank: int = 0, options: dict | None = None, **kwargs) -> GenerationReport:
+    """Report what ``torch.compile(model, backend="ulysses", options=options)`` does, on rank ``rank`` of
+    ``world_size``, to a transformers model's prompt call ``model(input_ids, use_cache=True, **kwargs)``
+    and ``new_tokens`` decoding steps over its cache (the prompt's last token fed again: values do not
+    matter on the simulated ranks), under ``no_grad``."""
+    _check_simulation("explain_generation", world_size, rank)
+    if not (isinstance(new_tokens, int) and new_tokens >= 1):
+        raise UlyssesError(f"explain_generation(new_tokens={new_tokens!r}): expected how many decoding steps, 1 or more")
+    opts = {**(options or {}), "compiler": "aot_eager", "check_inputs": False}  # the ranks' values are not real
+    graphs: list[GraphReport] = []
+
+    def backend(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options=opts)
+        graphs.append(gm.meta["ulysses_report"])
+        return compiled
+
+    model = copy.deepcopy(model)
+    torch.compiler.reset()
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad():
+            output = compiled(input_ids=input_ids, use_cache=True, **kwargs)
+            prompt = len(graphs)
+            for _ in range(new_tokens):
+                output = compiled(input_ids=input_ids[:, -1:], past_key_values=output.past_key_values,
+                                  use_cache=True, **kwargs)
+        held, whole, layouts = 0, 0, set()
+        for tensor in tree_leaves([(layer.keys, layer.values) for layer in output.past_key_values.layers]):
+            block = tensor._block if isinstance(tensor, GatheredOnUse) else tensor
+            held += block.numel() * block.element_size()
+            whole += tensor.numel() * tensor.element_size()
+            layouts.add(("the rank's heads" if tensor._layout.dim == 1 else "the rank's sequence blocks")
+                        if isinstance(tensor, GatheredOnUse) else "whole on every rank")
+    except BackendCompilerFailed as failure:
+        if isinstance(failure.inner_exception, UlyssesError):
+            raise failure.inner_exception from None
+        raise
+    finally:
+        dist.destroy_process_group()
+        torch.compiler.reset()
+    return GenerationReport(world_size, rank, graphs[:prompt], graphs[prompt:], held, whole, ", ".join(sorted(layouts)))
 
 
 @dataclass
