@@ -187,8 +187,9 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
                        rank: int = 0, options: dict | None = None, **kwargs) -> GenerationReport:
     """Report what ``torch.compile(model, backend="ulysses", options=options)`` does, on rank ``rank`` of
     ``world_size``, to a transformers model's prompt call ``model(input_ids, use_cache=True, **kwargs)``
-    and ``new_tokens`` decoding steps over its cache (the prompt's last token fed again: values do not
-    matter on the simulated ranks), under ``no_grad``."""
+    and ``new_tokens`` decoding steps over its cache (``model(input_ids[:, -1:], past_key_values=...,
+    use_cache=True)``: the prompt's last token fed again, as values do not matter on the simulated ranks),
+    under ``no_grad``."""
     _check_simulation("explain_generation", world_size, rank)
     if not (isinstance(new_tokens, int) and new_tokens >= 1):
         raise UlyssesError(f"explain_generation(new_tokens={new_tokens!r}): expected how many decoding steps, 1 or more")
@@ -211,7 +212,7 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
             prompt = len(graphs)
             for _ in range(new_tokens):
                 output = compiled(input_ids=input_ids[:, -1:], past_key_values=output.past_key_values,
-                                  use_cache=True, **kwargs)
+                                  use_cache=True)
         held, whole, layouts = 0, 0, set()
         for tensor in tree_leaves([(layer.keys, layer.values) for layer in output.past_key_values.layers]):
             block = tensor._block if isinstance(tensor, GatheredOnUse) else tensor
