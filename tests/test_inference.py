@@ -117,6 +117,15 @@ def generated_equal_to_eager(rank, world_size):
     dist.all_gather_object(everyone, sampled.tolist())
     assert all(tokens == everyone[0] for tokens in everyone), everyone  # the same draws on every rank
     assert torch.equal(sampled, want_sampled), (sampled, want_sampled)
+    padded = torch.ones_like(ids)
+    padded[1, :6] = 0  # a left-padded row: the prompt's mask is a tensor, each step's too
+    model.generation_config.pad_token_id = reference.generation_config.pad_token_id = 0
+    reports.clear()
+    got = model.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
+    want_padded = reference.generate(ids, attention_mask=padded, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want_padded), (got, want_padded)
+    assert len(reports) > 1 and all(site.on_cache_heads and not report.replicated for report in reports[1:]
+                                    for site in report.attention_sites), [str(report) for report in reports]
     verified, reports = _model("llama", 2), []
     verified.compile(backend=reporting_backend(reports, verify="short"), dynamic=True)
     checked = 48 + min(decided, 3)
@@ -139,6 +148,7 @@ def test_decoding_reads_the_rank_heads_of_the_cache_equal_to_eager(name, world_s
 
 def test_generate_on_the_compiled_model_equals_eager():
     """``model.compile(backend=...)`` then ``model.generate()``, unchanged: greedy tokens eager's (up to a
-    near tie), sampled tokens with one seed the same on every rank and eager's; under ``verify="short"``
+    near tie), sampled tokens with one seed the same on every rank and eager's, a left-padded batch's
+    tokens eager's (its masks tensors, decoding still on the cache's heads); under ``verify="short"``
     (``dynamic=True``) the prompt's graph is checked and the decoding step's passes unchecked."""
     run_ranks(generated_equal_to_eager, 2)
