@@ -95,11 +95,7 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if _on_meta(model, args, kwargs) else None
     if fake_mode is not None:
         args, kwargs = _to_fake(model, (args, kwargs), fake_mode)
-    torch.compiler.reset()
-    dynamo_counters.clear()
-    register_fake_backend()
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
-    try:
+    with _simulated_ranks(world_size, rank):
         # outside the fake mode: the device mesh ZeRO builds reads its ranks from a tensor
         compiled = compile_partitioned(
             model, lambda gm, inputs: _compile(gm, inputs, opts, report, explained, hints),
@@ -109,13 +105,6 @@ def explain(model: torch.nn.Module, *args, world_size: int, rank: int = 0, optio
             scalar = differentiable_scalar(compiled(*args, **kwargs))
             if scalar is not None:
                 scalar.backward()
-    except BackendCompilerFailed as failure:
-        if isinstance(failure.inner_exception, UlyssesError):  # the verdict itself, e.g. more ranks than heads
-            raise failure.inner_exception from None
-        raise
-    finally:
-        dist.destroy_process_group()
-        torch.compiler.reset()
     report.graph_breaks = [f"{reason} (x{count})" for reason, count in
                            dynamo_counters["graph_break"].items()]
     if fake_mode is not None:
@@ -147,6 +136,26 @@ def _check_simulation(name: str, world_size, rank) -> None:
             f"initialized in this process; call {name} before init_process_group, or in another process "
             f"(python -m ulysses_compile explain FILE.py:FACTORY --world-size P)"
         )
+
+
+@contextlib.contextmanager
+def _simulated_ranks(world_size: int, rank: int):
+    """This process as rank ``rank`` of a fake process group of ``world_size`` (its collectives move no
+    data), the compiler's caches and counters reset first and its caches after; a compile failure that is
+    our verdict (more ranks than heads...) raised as itself, not as Dynamo's wrapper."""
+    torch.compiler.reset()
+    dynamo_counters.clear()
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    except BackendCompilerFailed as failure:
+        if isinstance(failure.inner_exception, UlyssesError):
+            raise failure.inner_exception from None
+        raise
+    finally:
+        dist.destroy_process_group()
+        torch.compiler.reset()
 
 
 @dataclass
@@ -202,10 +211,7 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
         return compiled
 
     model = copy.deepcopy(model)
-    torch.compiler.reset()
-    register_fake_backend()
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
-    try:
+    with _simulated_ranks(world_size, rank):
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
             output = compiled(input_ids=input_ids, use_cache=True, **kwargs)
@@ -220,13 +226,6 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
             whole += tensor.numel() * tensor.element_size()
             layouts.add(("the rank's heads" if tensor._layout.dim == 1 else "the rank's sequence blocks")
                         if isinstance(tensor, GatheredOnUse) else "whole on every rank")
-    except BackendCompilerFailed as failure:
-        if isinstance(failure.inner_exception, UlyssesError):
-            raise failure.inner_exception from None
-        raise
-    finally:
-        dist.destroy_process_group()
-        torch.compiler.reset()
     return GenerationReport(world_size, rank, graphs[:prompt], graphs[prompt:], held, whole, ", ".join(sorted(layouts)))
 
 

@@ -130,7 +130,8 @@ class Options:
         if self.mesh is None:
             return self.process_group().group_name
         if "ring" in self.mesh.mesh_dim_names:
-            return mesh_group_name(self.sequence_mesh(), "ring_sp", root=self.mesh)
+            sequence = self.sequence_mesh()
+            return mesh_group_name(sequence, sequence.mesh_dim_names[0], root=self.mesh)
         return mesh_group_name(self.mesh, "sp")
 
     def data_parallel_group_name(self) -> str:

@@ -287,6 +287,12 @@ def sharding_of(node: fx.Node) -> NodeSharding | None:
     return node.meta.get(_KEY)
 
 
+def placed_as(node: fx.Node | None, placement: Placement) -> bool:
+    """Whether ``node`` was placed, with its output in ``placement``."""
+    sharding = sharding_of(node) if node is not None else None
+    return sharding is not None and sharding.output == placement
+
+
 def place(node: fx.Node, sharding: NodeSharding) -> fx.Node:
     """Record what was decided for ``node``: the one writer of placements. Propagation places the
     captured graph's nodes; a pass that inserts a node places it as it creates it."""

@@ -82,7 +82,7 @@ from ulysses_compile.core.collectives import (
     sequence_subgroups,
 )
 from ulysses_compile.core.runtime import repeat_heads
-from ulysses_compile.core.sharding import REPLICATE, NodeSharding, Shard, place, sharding_of
+from ulysses_compile.core.sharding import REPLICATE, NodeSharding, Shard, place, placed_as, sharding_of
 
 
 def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
@@ -191,13 +191,8 @@ def _sent(site, role: str) -> tuple[fx.Node, bool]:
     model (redone after the communication)."""
     read = site.slots[role].read()
     source = {"key": site.key_source, "value": site.value_source}.get(role)
-    repeated = source is not None and site.kv_repeat > 1 and _sharded_on(source, site.seq_axis)
+    repeated = source is not None and site.kv_repeat > 1 and placed_as(source, Shard(site.seq_axis))
     return (source if repeated else read), repeated
-
-
-def _sharded_on(node: fx.Node | None, dim: int) -> bool:
-    sharding = sharding_of(node) if node is not None else None
-    return sharding is not None and sharding.output == Shard(dim)
 
 
 def _kv_for_rank_heads(graph, before, role: str, site, ctx, replaced) -> fx.Node:

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ulysses_compile.core.boundary import SequenceBlocks
 from ulysses_compile.core.collectives import seq_to_heads, seq_to_heads_qkv
-from ulysses_compile.core.sharding import Shard, sharding_of
+from ulysses_compile.core.sharding import Shard, placed_as, sharding_of
 from ulysses_compile.passes.in_place_writes import alias_bases, written_bases
 
 
@@ -67,7 +67,7 @@ def _heads_of(graph: fx.Graph, head_axis: int) -> dict[fx.Node, fx.Node]:
     """Each value an all-to-all sends to the rank's heads -> the rank's heads of it."""
     found = {}
     for node in graph.nodes:
-        if node.op != "call_function" or not _on_heads(node, head_axis):
+        if node.op != "call_function" or not placed_as(node, Shard(head_axis)):
             continue
         if node.target is seq_to_heads:
             found[node.args[0]] = node
@@ -76,8 +76,3 @@ def _heads_of(graph: fx.Graph, head_axis: int) -> dict[fx.Node, fx.Node]:
             sent = (fused.args[0], fused.kwargs["key"], fused.kwargs["value"])[node.args[1]]
             found[sent] = node
     return found
-
-
-def _on_heads(node: fx.Node, head_axis: int) -> bool:
-    sharding = sharding_of(node)
-    return sharding is not None and sharding.output == Shard(head_axis)

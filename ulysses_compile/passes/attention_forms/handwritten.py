@@ -471,13 +471,7 @@ class HandwrittenAttention(AttentionForm):
         causal = bool(terms.masks or terms.hidden) and keeps_the_triangle(terms.masks, terms.hidden, query, key, output)
         before = set(graph.nodes)
         with graph.inserting_before(output):
-            mask = None
-            for each in () if causal else terms.masks:
-                mask = each if mask is None else graph.call_function(operator.add, (mask, each))
-            for each in () if causal else terms.hidden:
-                mask = each if mask is None else graph.call_function(operator.or_, (mask, each))
-            if terms.hidden and not causal:
-                mask = graph.call_function(torch.logical_not, (mask,))
+            mask = None if causal else _one_mask(graph, terms)
             call = graph.call_function(torch._C._nn.scaled_dot_product_attention, (query, key, value),
                                        {"attn_mask": mask, "scale": terms.scale, "is_causal": causal})
         fill_example_values([node for node in graph.nodes if node not in before], output)
@@ -485,6 +479,17 @@ class HandwrittenAttention(AttentionForm):
         graph.erase_node(site.output_marker)
         erase_unused(output)
         return replace(SDPA.read(call), spelling=f"{site.spelling} as scaled_dot_product_attention")
+
+
+def _one_mask(graph: fx.Graph, terms: _SdpaTerms) -> fx.Node | None:
+    """The one mask of an attention call for ``terms``: the additive masks summed, or the positions no
+    -inf fill hides."""
+    mask = None
+    for each in terms.masks:
+        mask = each if mask is None else graph.call_function(operator.add, (mask, each))
+    for each in terms.hidden:
+        mask = each if mask is None else graph.call_function(operator.or_, (mask, each))
+    return graph.call_function(torch.logical_not, (mask,)) if terms.hidden else mask
 
 
 @register(attention_output)
