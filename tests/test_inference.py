@@ -57,6 +57,8 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
         got, want = compiled(input_ids=ids, use_cache=True), reference(input_ids=ids, use_cache=True)
         (prefill,) = reports
         assert len(prefill.attention_sites) == 2 and not prefill.replicated, str(prefill)
+        kinds = [call.kind for call in prefill.collectives]  # each site's q, k, v to heads and back
+        assert kinds.count("seq_to_heads_qkv") == kinds.count("heads_to_seq") == 2 and "gather_seq" not in kinds, kinds
         cache, want_cache = got.past_key_values, want.past_key_values
         held = _cache_bytes_on_heads(cache, kv_heads, world_size, prompt)
         whole = sum(tensor.numel() * tensor.element_size() for layer in want_cache.layers
