@@ -67,9 +67,7 @@ def test_placements_are_written_only_through_place():
 CREATORS = {
     "ulysses_compile/passes/redistribute.py": {"scatter_seq", "gather_seq", "seq_to_heads", "reduce_partial", "sync_grad",
                                "add_previous_ranks_totals"},
-    # gather_seq: a decoding attention's output, from the rank's heads of the cache to every head
-    "ulysses_compile/passes/insert_all_to_all.py": {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads",
-                                                    "gather_seq"},
+    "ulysses_compile/passes/insert_all_to_all.py": {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"},
     "ulysses_compile/passes/average_data_parallel_grads.py": {"average_grad"},
     "ulysses_compile/passes/rules/shape_ops.py": {"reblock_seq", "shift_seq"},
 }

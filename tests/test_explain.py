@@ -323,7 +323,7 @@ def test_explain_generation_shows_the_prompt_and_decoding_plans_and_the_cache_pe
     assert report.decoding and all(site.on_cache_heads for graph in report.decoding for site in graph.attention_sites)
     assert report.cache_bytes * 2 == report.whole_cache_bytes and report.cache_layout == "the rank's heads"
     text = str(report)
-    assert "decoding: collectives per call: gather_seq x2" in text and "0.500 of one device's" in text, text
+    assert "decoding: collectives per call: reduce_partial x2" in text and "0.500 of one device's" in text, text
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
     assert cli.main(["explain", f"{tmp_path}/model.py:make", "--world-size", "4", "--generate", "2"]) == 0
     printed = capsys.readouterr().out

@@ -1,12 +1,14 @@
 """Long-context inference on the compiled model: the prompt's graph runs sequence-parallel and leaves
 its key/value cache on the rank's heads (each rank 1/P of it, every position); each decoding step (fewer
-new tokens than ranks) attends over the rank's heads of the cache where they lie, with no all-to-all and
-no gather of the cache, and its logits equal eager's (teacher-forced), as do ``generate()``'s tokens,
+new tokens than ranks) projects the rank's heads of q, k and v, attends over the rank's heads of the cache
+where they lie, and sums the output projection's partial products (one all-reduce per layer), with no
+all-to-all and no gather, and its logits equal eager's (teacher-forced), as do ``generate()``'s tokens,
 greedy and sampled, on every rank."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -80,11 +82,56 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
     assert len(decoding) == 2, [site.summary() for report in decoding for site in report.attention_sites]
     for report in decoding:
         kinds = [call.kind for call in report.collectives]
-        assert not report.replicated and kinds.count("gather_seq") == len(report.attention_sites) == 2, kinds
-        assert not {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"} & set(kinds), kinds
+        # one all-reduce per layer (the output projection's partial sums), nothing gathered or exchanged
+        assert not report.replicated and kinds.count("reduce_partial") == len(report.attention_sites) == 2, kinds
+        assert not {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads", "gather_seq"} & set(kinds), kinds
     for layer, (entry, want_entry) in enumerate(zip(cache.layers, want_cache.layers)):
         assert_close(f"rank {rank} layer {layer} keys", entry.keys, want_entry.keys)  # read: gathered over heads
         assert_close(f"rank {rank} layer {layer} values", entry.values, want_entry.values)
+
+
+def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group):
+    """At P = 4 (rank 1, one process): the q, k and v projections of a decoding step read the weight's
+    rows of the rank's heads, the output projection its columns of them, and their partial products are
+    summed by one all-reduce per layer; the MLP and the LM head read their whole weights."""
+    from ulysses_compile.backend import ulysses
+    from ulysses_compile.core.collectives import reduce_partial, scatter_seq
+
+    fake_group(4, 1)
+    model, graphs = _model("llama", 4), []  # 8 query heads, 4 key/value heads, head dim 8, hidden 64
+
+    def capture(gm, example_inputs):
+        compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
+        graphs.append(gm)
+        return compiled
+
+    compiled = torch.compile(model, backend=capture)
+    ids, _ = token_batch(seq=16)
+    with torch.no_grad():
+        cache = compiled(input_ids=ids, use_cache=True).past_key_values
+        compiled(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    step = graphs[-1]
+    sites = step.meta["ulysses_report"].attention_sites
+    assert len(sites) == 2 and all(site.on_cache_heads and "1 new position," in site.decision for site in sites)
+    read = {}  # weight -> (the dim sliced to the rank's block, or None; the shape read)
+    for node in step.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._nn.linear:
+            weight = node.args[1]
+            sliced = weight.op == "call_function" and weight.target is scatter_seq
+            name = re.search(r"(layers_modules_\d+_modules_\w+?_modules_\w+?|lm_head)_parameters",
+                             (weight.args[0] if sliced else weight).name).group(1)
+            read[name.replace("_modules_", ".")] = (weight.kwargs["dim"] if sliced else None,
+                                                   tuple(weight.meta["val"].shape))
+    for layer in ("layers.0", "layers.1"):
+        assert read[f"{layer}.self_attn.q_proj"] == (0, (16, 64))  # 2 of 8 heads x head dim 8
+        assert read[f"{layer}.self_attn.k_proj"] == read[f"{layer}.self_attn.v_proj"] == (0, (8, 64))  # 1 of 4
+        assert read[f"{layer}.self_attn.o_proj"] == (1, (64, 16))
+        assert {read[f"{layer}.mlp.{name}"][0] for name in ("gate_proj", "up_proj", "down_proj")} == {None}
+    assert read["lm_head"][0] is None
+    reductions = [node for node in step.graph.nodes if node.op == "call_function" and node.target is reduce_partial]
+    assert [node.args[0].args[1].args[0].name for node in reductions] == [
+        f"l_args_0_modules_model_modules_layers_modules_{layer}_modules_self_attn_modules_o_proj_parameters_weight_"
+        for layer in (0, 1)]
 
 
 def _agreed_prefix(tokens: torch.Tensor, logits: tuple, new: int) -> int:

@@ -55,11 +55,10 @@ Key/value heads the model repeats travel un-repeated (the ring's kernel broadcas
 nothing is exchanged by all-to-all and the ring runs on the sequence blocks as they are.
 
 A site that decodes over a key/value cache on the rank's heads (``on_cache_heads``: fewer new tokens
-than ranks, ``keep_cache_on_heads``) has q, k and v on the rank's heads already (``redistribute`` took
-q's from the whole); only its output is gathered over the heads, and the step runs whole after it::
+than ranks, ``keep_cache_on_heads``) has q, k, v and its output on the rank's heads already
+(``propagate_sharding`` projected them so); only the call is rewritten for them::
 
     out_h = scaled_dot_product_attention(q_h, k_h, v_h, enable_gqa=True)   # [B, H/P, 1, D]
-    out = gather_seq(out_h, 1, 1, 1, H, rank, P, group)                     # [B, H, 1, D] on every rank
 
 Pinned on small models: ``tests/test_pass_goldens.py::test_insert_all_to_all`` and
 ``test_insert_all_to_all_under_a_ring``.
@@ -74,7 +73,6 @@ import torch.fx as fx
 
 from ulysses_compile.core.collectives import (
     gather_kv_heads,
-    gather_seq,
     heads_to_seq,
     insert_call,
     seq_to_heads,
@@ -82,7 +80,7 @@ from ulysses_compile.core.collectives import (
     sequence_subgroups,
 )
 from ulysses_compile.core.runtime import repeat_heads
-from ulysses_compile.core.sharding import REPLICATE, NodeSharding, Shard, place, placed_as, sharding_of
+from ulysses_compile.core.sharding import NodeSharding, Shard, place, placed_as, sharding_of
 
 
 def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
@@ -134,16 +132,9 @@ def _to_heads_and_back(graph: fx.Graph, site, ctx) -> None:
 
 
 def _on_cache_heads(graph: fx.Graph, site, ctx) -> None:
-    """Decoding over a head-sharded key/value cache: q, k and v hold the rank's heads (``redistribute``
-    took q's); the output is gathered over the heads."""
+    """Decoding over a head-sharded key/value cache: q, k, v and the output hold the rank's heads
+    (``redistribute`` made them so); only the call is rewritten for them."""
     site.form.on_rank_heads(site, ctx)
-    output = site.form.output(site)
-    rank = ctx.rank_for(graph, site.heads, site.kv_heads)  # only heads are split here
-    whole = _mark(insert_call(graph, gather_seq, (output, site.head_axis, 1, 1, site.heads, rank, ctx.world_size,
-                                                  ctx.group_name), after=output),
-                  REPLICATE, output)
-    output.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
-    _mark(output, Shard(site.head_axis), output)
 
 
 def _ring_only(graph: fx.Graph, site) -> None:

@@ -30,8 +30,8 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.errors import UnsupportedError
-from ulysses_compile.core.fx_graph import ancestors
-from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.core.fx_graph import ancestors, method_or_function_args, mutated_arg
+from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.report import Fallback, module_path
 from ulysses_compile.core.sharding import (
     REPLICATE,
@@ -46,6 +46,7 @@ from ulysses_compile.core.sharding import (
     is_rank_local,
     is_sharded,
     place,
+    seq_shard,
     sharding_of,
     sort_orders,
     with_dim,
@@ -55,6 +56,8 @@ from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_ind
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
 from ulysses_compile.passes.rules.routing import FRESH_BUFFERS, whole_like
 from ulysses_compile.passes.sequence_dims import sequence_dims
+
+LINEAR = spellings("linear")
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
@@ -131,7 +134,9 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     on_cache_heads = {site.node: site for site in sites if site.on_cache_heads}
-    # Decoding on a cache's heads: only the cache is sharded (its heads), the new positions stay whole.
+    projections = _projections_onto_heads(on_cache_heads.values(), ctx.parameters)
+    # Decoding on a cache's heads: the cache and the projections onto heads are sharded (over heads), the
+    # new positions stay whole.
     starts = (reads_lazy if on_cache_heads else feeds_attention | reads_lazy) - feeds_masks - views_of_written
     view = RuleView(_output_placement, ctx.world_size)
     placed = _Placed()
@@ -151,6 +156,8 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in on_cache_heads:
             place(node, _on_cache_heads(on_cache_heads[node], value))
+        elif node in projections and view.placement(projections[node][0]) == REPLICATE:
+            place(node, _projected_onto_heads(node, *projections[node], value))
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
@@ -197,12 +204,48 @@ def _head_parallel_nodes(sites) -> dict[fx.Node, tuple]:
 
 
 def _on_cache_heads(site, value) -> NodeSharding:
-    """An attention decoding over a head-sharded cache: q, k and v the rank's heads (q taken from the
-    whole), the mask whole; the output whole (``insert_all_to_all`` gathers it over the heads)."""
+    """An attention decoding over a head-sharded cache: q, k, v and the output the rank's heads, the
+    mask whole."""
     by_heads = Shard(site.head_axis)
     inputs = {site.entering(role): by_heads for role in ("query", "key", "value")}
     inputs.update({mask: REPLICATE for mask in site.mask_inputs()})
-    return NodeSharding(_replicated_like(value), value, inputs)
+    return NodeSharding(by_heads, value, inputs)
+
+
+def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """Decoding on a cache's heads: the linear layers that make q, k and v (the nearest on the way back
+    from each, whose weight is a parameter with a row per head and head dim) -> (their input, head dim).
+    Each computes only the rank's heads: its weight's rows of them (tensor parallelism's column split),
+    where the whole projection would be computed to be sliced after. Where the ops between do not keep
+    the heads apart, their rules say so and the value is converted as any other."""
+    found = {}
+    for site in sites:
+        for role, heads in (("query", site.heads), ("key", site.kv_heads), ("value", site.kv_heads)):
+            stack, seen = [site.entering(role)], set()
+            while stack:
+                node = stack.pop()
+                if node in seen or not isinstance(node, fx.Node):
+                    continue
+                seen.add(node)
+                if node.op == "call_function" and node.target in LINEAR:
+                    args = method_or_function_args(node, ("input", "weight", "bias"))
+                    weight = args["weight"]
+                    if weight in parameters and weight.meta["example_value"].shape[0] == heads * site.head_dim:
+                        found[node] = (args["input"], site.head_dim)
+                    continue
+                stack.extend(node.all_input_nodes)
+    return found
+
+
+def _projected_onto_heads(node: fx.Node, x: fx.Node, head_dim: int, value) -> NodeSharding:
+    """``linear(x, weight, bias)`` on the rank's rows of the weight (and bias): the rank's heads of its
+    output, ``[..., heads * head_dim]`` sharded over heads."""
+    args = method_or_function_args(node, ("input", "weight", "bias"))
+    rows = seq_shard(0, 1, head_dim)
+    inputs = {x: REPLICATE, args["weight"]: rows}
+    if isinstance(args.get("bias"), fx.Node):
+        inputs[args["bias"]] = rows
+    return NodeSharding(seq_shard(value.dim() - 1, 1, head_dim), value, inputs)
 
 
 def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
