@@ -69,7 +69,7 @@ CREATORS = {
                                "add_previous_ranks_totals"},
     "ulysses_compile/passes/insert_all_to_all.py": {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"},
     "ulysses_compile/passes/average_data_parallel_grads.py": {"average_grad"},
-    "ulysses_compile/passes/rules/shape_ops.py": {"reblock_seq", "shift_seq"},
+    "ulysses_compile/passes/rules/shape_ops.py": {"reblock_seq", "shift_seq", "rows_before"},
 }
 
 

@@ -193,6 +193,29 @@ def test_detect_attention(fake_group):
 +    transpose_1 = attention_output.transpose(1, 2)""")
 
 
+class ShortConvolution(SDPAttention):
+    """A depthwise causal convolution (padded by k - 1 on both sides, its first S outputs kept) before
+    the attention, as hybrid models' short convolutions are written."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, 4, groups=DIM, padding=3)
+
+    def forward(self, x):
+        return super().forward(self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2))
+
+
+def test_recognize_causal_convolution(fake_group):
+    gm, report = _report(fake_group, ShortConvolution(), _features())
+    assert_expected_inline(_changes(report, "recognize_causal_convolution"), """\
+-    conv1d = torch.conv1d(transpose, l_self_modules_conv_parameters_weight_, l_self_modules_conv_parameters_bias_, (1,), (3,), (1,), 16)
+-    getitem = conv1d[(Ellipsis, slice(None, 8, None))]
+-    transpose_1 = getitem.transpose(1, 2)
++    causal_conv1d = ulysses_compile_core_runtime_causal_conv1d(transpose, l_self_modules_conv_parameters_weight_, l_self_modules_conv_parameters_bias_, dilation = 1, groups = 16)
++    transpose_1 = causal_conv1d.transpose(1, 2)""")
+    assert report.fallbacks == [] and calls(gm, gather_seq) == []
+
+
 def test_drop_dead_values(fake_group):
     gm, report = _report(fake_group, DroppedMask(), _features())
     assert_expected_inline(_changes(report, "drop_dead_values"), """\
@@ -480,7 +503,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 20, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 21, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__

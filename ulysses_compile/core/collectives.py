@@ -35,6 +35,9 @@ reblock_seq          S -> S of a slice of the   the inverse all-to-all (each row
 shift_seq            S -> S shifted by k rows:  reduce-scatter (each row's gradient back to the rank
                      the k rows leaving each    that sent it)
                      block all-gathered
+rows_before          S -> the k rows before     reduce-scatter, as shift_seq's
+                     the block (a causal
+                     convolution's reach)
 ===================  =========================  ======================================================
 """
 
@@ -74,6 +77,7 @@ __all__ = [
     "insert_call",
     "reblock_seq",
     "reduce_partial",
+    "rows_before",
     "scatter_seq",
     "seq_to_heads",
     "seq_to_heads_qkv",
@@ -475,6 +479,22 @@ def shift_seq(x, dim: int, shift: int, fill, rank, world_size: int, group_name: 
     rank would make the ranks' code differ). Every rank reads ``fill`` through the same ``where``, the
     rank at the start selecting it, so that a fill computed from parameters has one backward everywhere."""
     count, length = abs(shift), x.shape[dim]
+    entering = _entering_rows(x, dim, shift, fill, rank, world_size, group_name)
+    kept = x.narrow(dim, 0, length - count) if shift > 0 else x.narrow(dim, count, length - count)
+    return torch.cat([entering, kept] if shift > 0 else [kept, entering], dim)
+
+
+def rows_before(x, dim: int, count: int, rank, world_size: int, group_name: str):
+    """The ``count`` rows of the sequence just before the rank's block (the last rows of the block before
+    it; zeros before the first block): what a causal convolution reaches back to. ``shift_seq``'s
+    exchange, without moving the block."""
+    return _entering_rows(x, dim, count, 0.0, rank, world_size, group_name)
+
+
+def _entering_rows(x, dim: int, shift: int, fill, rank, world_size: int, group_name: str):
+    """The ``|shift|`` rows that enter the rank's block when the sequence moves by ``shift``: the ones
+    leaving each block all-gathered, each rank taking its neighbour's (``fill`` at the sequence's end)."""
+    count, length = abs(shift), x.shape[dim]
     leaving = x.narrow(dim, length - count, count) if shift > 0 else x.narrow(dim, 0, count)
     gathered = _all_gather_dim0(leaving.unsqueeze(0), world_size, group_name)
     source = (rank - (1 if shift > 0 else -1)) % world_size
@@ -482,8 +502,7 @@ def shift_seq(x, dim: int, shift: int, fill, rank, world_size: int, group_name: 
     if fill is not None:
         keep = torch.as_tensor(rank != (0 if shift > 0 else world_size - 1), device=x.device)
         entering = torch.where(keep, entering, fill if isinstance(fill, torch.Tensor) else torch.full_like(entering, fill))
-    kept = x.narrow(dim, 0, length - count) if shift > 0 else x.narrow(dim, count, length - count)
-    return torch.cat([entering, kept] if shift > 0 else [kept, entering], dim)
+    return entering
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
@@ -543,7 +562,7 @@ def gather_parameter(local, shape: tuple[int, ...], group_name: str, group_size:
 
 
 COLLECTIVES = (gather_parameter, average_grad, gather_seq, reduce_partial, sync_grad, seq_to_heads, seq_to_heads_qkv,
-               heads_to_seq, gather_kv_heads, reblock_seq, shift_seq,
+               heads_to_seq, gather_kv_heads, reblock_seq, shift_seq, rows_before,
                add_previous_ranks_totals)
 
 

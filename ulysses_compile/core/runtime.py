@@ -69,6 +69,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                  alibi_slopes, deterministic)
 
 
+def causal_conv1d(x, weight, bias, dilation: int, groups: int, before=None):
+    """``conv1d`` along x's last dim in which each position sees itself and the ``dilation * (k - 1)``
+    positions before it: a convolution padded by that much on both sides whose first outputs are kept
+    (Mamba's and LFM2's short convolutions). ``before``: the positions preceding x (for a rank's block of
+    the sequence, the end of the block before it); zeros where None."""
+    reach = dilation * (weight.shape[-1] - 1)
+    extended = torch.nn.functional.pad(x, (reach, 0)) if before is None else torch.cat([before, x], dim=-1)
+    return torch.nn.functional.conv1d(extended, weight, bias, dilation=dilation, groups=groups)
+
+
 def repeat_heads(x, head_axis: int, repeat: int):
     """Each head ``repeat`` times in a row, as HF's repeat_kv does; on this rank's heads only."""
     shape = list(x.shape)

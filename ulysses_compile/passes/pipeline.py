@@ -55,6 +55,7 @@ from ulysses_compile.passes.localize_ops import localize_ops
 from ulysses_compile.passes.merge_gradient_reductions import merge_gradient_reductions
 from ulysses_compile.passes.plan_sequence_layout import plan_sequence_layout
 from ulysses_compile.passes.propagate_sharding import propagate_sharding
+from ulysses_compile.passes.recognize_causal_convolution import recognize_causal_convolution
 from ulysses_compile.passes.recognize_causal_mask import recognize_causal_mask
 from ulysses_compile.passes.recognize_flash_attention import recognize_flash_attention
 from ulysses_compile.passes.redistribute import redistribute
@@ -77,6 +78,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         report.rejected_attention += _run(report, recognize_flash_attention, gm, ctx)
         report.notes += _run(report, recognize_causal_mask, gm, ctx)
         _run(report, drop_dead_values, gm, ctx)
+        _run(report, recognize_causal_convolution, gm, ctx)
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected

@@ -16,7 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.collectives import insert_call, reblock_seq, shift_seq
+from ulysses_compile.core.collectives import insert_call, reblock_seq, rows_before, shift_seq
 from ulysses_compile.core.compat import statically_known_true
 from ulysses_compile.core.fx_graph import (
     erase_unused,
@@ -26,7 +26,7 @@ from ulysses_compile.core.fx_graph import (
     normalize_dim,
 )
 from ulysses_compile.core.ops import CASTS, spellings
-from ulysses_compile.core.runtime import owned_by, summed_away, zero_rows
+from ulysses_compile.core.runtime import causal_conv1d, owned_by, summed_away, zero_rows
 from ulysses_compile.core.sharding import (
     PARTIAL,
     RANK_SPECIFIC,
@@ -604,6 +604,32 @@ def roll_rule(node, view):
         return None
     return Decision(view.placement(source), {source: view.placement(source)},
                     functools.partial(_localize_shift, dim=dim, shift=shift, fill=None, sequence_pad=None))
+
+
+@register(causal_conv1d)
+def causal_conv1d_rule(node, view):
+    """A causal convolution along the sharded sequence (``recognize_causal_convolution``): each rank
+    convolves its block with the ``dilation * (k - 1)`` rows before it (``rows_before``), never the
+    sequence; the weight and bias whole."""
+    args = method_or_function_args(node, ("input", "weight", "bias", "dilation", "groups"))
+    source = args["input"]
+    value = view.value(source)
+    if view.sharded(source) != (value.dim() - 1, 1, 1):
+        return None
+    reach = args["dilation"] * (view.value(args["weight"]).shape[-1] - 1)
+    if reach and not _shift_fits(view, value.shape[-1], reach):
+        return None
+    demands = {arg: REPLICATE for arg in (args["weight"], args.get("bias")) if isinstance(arg, fx.Node)}
+    localize = functools.partial(_localize_causal_convolution, reach=reach) if reach else None
+    return Decision(view.placement(source), {source: view.placement(source), **demands}, localize)
+
+
+@contiguous_blocks_only("a causal convolution along the sequence, rows taken from the block before")
+def _localize_causal_convolution(node: fx.Node, sharding, ctx, *, reach: int) -> None:
+    source = node.args[0]
+    before = insert_call(node.graph, rows_before, (source, sharding.output.dim, reach, ctx.rank_for(node.graph),
+                                                   ctx.world_size, ctx.group_name), before=node)
+    node.kwargs = {**node.kwargs, "before": before}
 
 
 def _shift_by_cat(view, first, second, dim: int) -> Decision | None:

@@ -1,0 +1,127 @@
+"""The layers of hybrid long-context models beside attention, on the rank's block of the sequence: a
+short causal convolution (LFM2's, Mamba's: ``nn.Conv1d`` padded by k - 1 on both sides, its first S
+outputs kept) convolves each rank's block with the k - 1 rows before it (``rows_before``), never the
+gathered sequence; loss, logits and every gradient equal eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphs import reporting_backend
+from models import token_batch
+from multirank import compare_model, run_ranks
+
+from ulysses_compile.core.runtime import causal_conv1d
+
+
+def tiny_lfm2():
+    """transformers' LFM2: a short-convolution layer, then an attention layer."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], max_position_embeddings=256))
+
+
+class GatedConvolution(nn.Module):
+    """A gated short convolution as people write one (Hyena's, LFM2's): depthwise, causal by padding
+    and slicing, here with a dilation."""
+
+    def __init__(self, dim: int, kernel: int, dilation: int):
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, dilation=dilation, padding=dilation * (kernel - 1))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):  # [B, S, D]
+        gate, key, value = self.in_proj(x).transpose(-1, -2).chunk(3, dim=-2)
+        mixed = self.conv(key * value)[..., :x.shape[1]]
+        return self.out_proj((gate * mixed).transpose(-1, -2))
+
+
+class HybridLM(nn.Module):
+    """Embedding, a gated convolution, causal self-attention, an LM head: plain PyTorch."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, heads: int = 4, kernel: int = 4, dilation: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.mixer = GatedConvolution(dim, kernel, dilation)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, targets):
+        x = self.embed(ids)
+        x = x + self.mixer(x)
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def _assert_convolutions_on_blocks(reports, convolutions: int):
+    """Every attention parallelized, each causal convolution on the rank's block with the rows before
+    it, nothing gathered."""
+    (report,) = reports
+    kinds = [call.kind for call in report.collectives]
+    assert report.attention_sites and all("parallelized" in site.decision for site in report.attention_sites)
+    assert kinds.count("rows_before") == convolutions and "gather_seq" not in kinds, kinds
+    assert kinds.count("heads_to_seq") == len(report.attention_sites), kinds
+    assert not report.fallbacks and not report.replicated, str(report)
+
+
+def convolutions_equal_to_eager(rank, world_size, seq):
+    model = tiny_lfm2()
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=seq)
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    _assert_convolutions_on_blocks(reports, 1)
+    got.loss.backward()
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+    torch.manual_seed(0)
+    model = HybridLM()
+    reference = copy.deepcopy(model)
+    ids, targets = token_batch(seq=seq)
+    ids, targets = ids % 96, targets.clamp(min=0) % 96
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
+    want = reference(ids, targets)
+    _assert_convolutions_on_blocks(reports, 1)
+    got[0].backward()
+    want[0].backward()
+    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [
+    pytest.param(2, 24, id="P2"),
+    pytest.param(4, 30, id="P4-uneven", marks=pytest.mark.slow),
+])
+def test_short_causal_convolutions_run_on_the_rank_blocks_equal_to_eager(world_size, seq):
+    """LFM2 and a plain-PyTorch gated convolution (dilation 2: it reaches 6 rows back) at P = 2, and at
+    P = 4 over 30 positions (blocks 8, 8, 7, 7)."""
+    run_ranks(convolutions_equal_to_eager, world_size, seq)
+
+
+@pytest.mark.parametrize("kernel, dilation", [(4, 1), (3, 2), (1, 1)])
+def test_causal_conv1d_is_the_padded_convolution_sliced(kernel, dilation):
+    """The runtime call computes what it replaces, whole and from a block with the rows before it."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 6, 20), torch.randn(6, 1, kernel), torch.randn(6)
+    padded = F.conv1d(x, weight, bias, padding=dilation * (kernel - 1), dilation=dilation, groups=6)[..., :20]
+    torch.testing.assert_close(causal_conv1d(x, weight, bias, dilation, 6), padded)
+    reach = dilation * (kernel - 1)
+    block = causal_conv1d(x[..., 10:], weight, bias, dilation, 6, before=x[..., 10 - reach:10])
+    torch.testing.assert_close(block, padded[..., 10:])
