@@ -179,3 +179,19 @@ def test_a_checkpointed_meta_llama_is_explained_as_with_real_weights():
     assert all(site.decision.endswith("in a checkpointed region (recomputed in the backward)")
                for site in meta.attention_sites) and len(meta.attention_sites) == 2
     assert meta.totals()[("backward", "all_to_all")][0] == 4 * 2  # recomputed forward all-to-alls, and the backward's
+
+
+def test_a_meta_llama_generation_is_explained_as_with_real_weights():
+    """``explain_generation`` of a model on the meta device: the prompt's and the decoding steps' plans,
+    collectives and the KV cache per rank are those real weights give, and nothing is allocated."""
+    from ulysses_compile import explain_generation
+
+    ids, _ = token_batch(seq=32)
+    real = explain_generation(tiny_llama(heads=8, kv_heads=4, layers=2), ids, world_size=4, new_tokens=2)
+    model = _meta_llama(heads=8, kv_heads=4, layers=2)
+    meta = explain_generation(model, ids.to("meta"), world_size=4, new_tokens=2)
+    assert str(meta) == str(real)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    assert meta.cache_bytes * 4 == meta.whole_cache_bytes > 0 and meta.cache_layout == "the rank's heads"
+    assert all(FAKE_NOTE in graph.notes for graph in meta.prompt + meta.decoding)
+    assert all(site.on_cache_heads for graph in meta.decoding for site in graph.attention_sites)

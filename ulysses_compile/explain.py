@@ -211,8 +211,13 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
         return compiled
 
     model = copy.deepcopy(model)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if _on_meta(model, (input_ids,), kwargs) else None
+    if fake_mode is not None:
+        input_ids, kwargs = _to_fake(model, (input_ids, kwargs), fake_mode)
     with _simulated_ranks(world_size, rank):
         compiled = torch.compile(model, backend=backend)
+        # outside the fake mode: the ranks' first-call agreement gathers real objects; the fake inputs'
+        # ops run in their own mode
         with torch.no_grad():
             output = compiled(input_ids=input_ids, use_cache=True, **kwargs)
             prompt = len(graphs)
@@ -226,6 +231,9 @@ def explain_generation(model: torch.nn.Module, input_ids: torch.Tensor, *, world
             whole += tensor.numel() * tensor.element_size()
             layouts.add(("the rank's heads" if tensor._layout.dim == 1 else "the rank's sequence blocks")
                         if isinstance(tensor, GatheredOnUse) else "whole on every rank")
+    if fake_mode is not None:
+        for graph in graphs:
+            graph.notes.append(FAKE_NOTE)
     return GenerationReport(world_size, rank, graphs[:prompt], graphs[prompt:], held, whole, ", ".join(sorted(layouts)))
 
 
