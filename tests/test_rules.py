@@ -132,20 +132,10 @@ def test_linear_keeps_tokens_sharded_and_demands_the_weight_whole(bias):
     assert decision.inputs == {x: Shard(1), **{param: REPLICATE for param in params}}
 
 
-def test_linear_is_refused_on_replicated_input():
+@pytest.mark.parametrize("placement", [REPLICATE, Shard(2)], ids=["replicated", "sharded on features"])
+def test_linear_is_refused_on_replicated_input_or_input_sharded_on_the_contracted_dim(placement):
     node, (x, _) = build(F.linear, empty(B, S, H), empty(6, H))
-    assert decide(node, {x: REPLICATE}) is None
-
-
-def test_linear_on_features_sharded_sums_partial_products_of_the_weight_columns():
-    """Heads merged into the features (an output projection's input, ``[B, S, heads x head_dim]``) meet
-    the weight's columns of those heads: each rank's product is a partial sum. With a bias, no split."""
-    node, (x, weight) = build(F.linear, empty(B, S, 4 * H), empty(6, 4 * H))
-    decision = decide(node, {x: MergedShard(2, 1, H)})
-    assert decision.output == PARTIAL
-    assert decision.inputs == {x: MergedShard(2, 1, H), weight: MergedShard(1, 1, H)}
-    node, (x, _, _) = build(F.linear, empty(B, S, 4 * H), empty(6, 4 * H), empty(6))
-    assert decide(node, {x: MergedShard(2, 1, H)}) is None
+    assert decide(node, {x: placement}) is None
 
 
 def test_matmul_against_a_weight_keeps_rows_sharded_and_merged_sequences_stay_merged():

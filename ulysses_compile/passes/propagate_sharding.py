@@ -35,6 +35,7 @@ from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.report import Fallback, module_path
 from ulysses_compile.core.sharding import (
     REPLICATE,
+    PARTIAL,
     NodeSharding,
     Partial,
     PermutedShard,
@@ -156,8 +157,8 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in on_cache_heads:
             place(node, _on_cache_heads(on_cache_heads[node], value))
-        elif node in projections and view.placement(projections[node][0]) == REPLICATE:
-            place(node, _projected_onto_heads(node, *projections[node], value))
+        elif (projected := _projection_on_heads(node, projections.get(node), view, value)) is not None:
+            place(node, projected)
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
             inputs = {arg: entering.get(arg) or _heads_if_matching(arg, by_heads, value)
@@ -212,40 +213,57 @@ def _on_cache_heads(site, value) -> NodeSharding:
     return NodeSharding(by_heads, value, inputs)
 
 
-def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[fx.Node, int]]:
+def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[bool, int]]:
     """Decoding on a cache's heads: the linear layers that make q, k and v (the nearest on the way back
-    from each, whose weight is a parameter with a row per head and head dim) -> (their input, head dim).
-    Each computes only the rank's heads: its weight's rows of them (tensor parallelism's column split),
-    where the whole projection would be computed to be sliced after. Where the ops between do not keep
-    the heads apart, their rules say so and the value is converted as any other."""
+    from each, whose weight is a parameter with a row per head and head dim) and the one that reads the
+    attention's output (the nearest on the way forward, a column per head and head dim) -> (whether it
+    makes heads, head dim). Each computes only the rank's heads: q, k and v from the weight's rows of
+    them (tensor parallelism's column split), the output's partial sum from its columns (the row split),
+    where the whole projections would run on every rank. Where the ops between do not keep the heads
+    apart, their rules say so and the value is converted as any other."""
     found = {}
+
+    def nearest(start, step, rows: int, dim: int, makes_heads: bool) -> None:
+        stack, seen = [start], set()
+        while stack:
+            node = stack.pop()
+            if node in seen or not isinstance(node, fx.Node):
+                continue
+            seen.add(node)
+            if node.op == "call_function" and node.target in LINEAR:
+                weight = method_or_function_args(node, ("input", "weight"))["weight"]
+                if weight in parameters and weight.meta["example_value"].shape[dim] == rows:
+                    found[node] = (makes_heads, site.head_dim)
+                continue
+            stack.extend(step(node))
+
     for site in sites:
         for role, heads in (("query", site.heads), ("key", site.kv_heads), ("value", site.kv_heads)):
-            stack, seen = [site.entering(role)], set()
-            while stack:
-                node = stack.pop()
-                if node in seen or not isinstance(node, fx.Node):
-                    continue
-                seen.add(node)
-                if node.op == "call_function" and node.target in LINEAR:
-                    args = method_or_function_args(node, ("input", "weight", "bias"))
-                    weight = args["weight"]
-                    if weight in parameters and weight.meta["example_value"].shape[0] == heads * site.head_dim:
-                        found[node] = (args["input"], site.head_dim)
-                    continue
-                stack.extend(node.all_input_nodes)
+            nearest(site.entering(role), lambda node: node.all_input_nodes, heads * site.head_dim, 0, True)
+        nearest(site.node, lambda node: node.users, site.heads * site.head_dim, 1, False)
     return found
 
 
-def _projected_onto_heads(node: fx.Node, x: fx.Node, head_dim: int, value) -> NodeSharding:
-    """``linear(x, weight, bias)`` on the rank's rows of the weight (and bias): the rank's heads of its
-    output, ``[..., heads * head_dim]`` sharded over heads."""
+def _projection_on_heads(node: fx.Node, found: tuple[bool, int] | None, view: RuleView, value) -> NodeSharding | None:
+    """A projection of ``_projections_onto_heads`` on the rank's heads, or None where its input does not
+    arrive as that needs: whole, for q, k and v (``linear(x, weight, bias)`` on the rank's rows of the
+    weight and bias: the rank's heads of ``[..., heads * head_dim]``); on the rank's heads, for the
+    output's (on its columns of the weight, without a bias, which would be added on every rank: a
+    partial sum)."""
+    if found is None:
+        return None
+    makes_heads, head_dim = found
     args = method_or_function_args(node, ("input", "weight", "bias"))
-    rows = seq_shard(0, 1, head_dim)
-    inputs = {x: REPLICATE, args["weight"]: rows}
-    if isinstance(args.get("bias"), fx.Node):
-        inputs[args["bias"]] = rows
-    return NodeSharding(seq_shard(value.dim() - 1, 1, head_dim), value, inputs)
+    x, bias = args["input"], args.get("bias")
+    if makes_heads:
+        if view.placement(x) != REPLICATE:
+            return None
+        rows = seq_shard(0, 1, head_dim)
+        inputs = {x: REPLICATE, args["weight"]: rows, **({bias: rows} if isinstance(bias, fx.Node) else {})}
+        return NodeSharding(seq_shard(value.dim() - 1, 1, head_dim), value, inputs)
+    if view.sharded(x) != (view.value(x).dim() - 1, 1, head_dim) or isinstance(bias, fx.Node):
+        return None
+    return NodeSharding(PARTIAL, value, {x: view.placement(x), args["weight"]: seq_shard(1, 1, head_dim)})
 
 
 def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):

@@ -17,18 +17,11 @@ from ulysses_compile.passes.rules import Decision, register
 
 @register(*spellings("linear"))
 def linear_rule(node, view):
-    """Token-sharded rows give token-sharded rows. An input sharded on its features (the rank's heads,
-    merged, entering an output projection) meets the weight's columns of them: each rank's product is a
-    partial sum (tensor parallelism's row split); with a bias there is no such split."""
     args = method_or_function_args(node, ("input", "weight", "bias"))
     x = args["input"]
     factors = view.sharded(x)
-    if factors is None:
+    if factors is None or factors[0] == view.value(x).dim() - 1:
         return None
-    if factors[0] == view.value(x).dim() - 1:
-        if isinstance(args.get("bias"), torch.fx.Node) or view.sharded(args["weight"]) is not None:
-            return None
-        return Decision(PARTIAL, {x: view.placement(x), args["weight"]: with_dim(view.placement(x), 1)})
     demands = {x: view.placement(x), args["weight"]: REPLICATE}
     if isinstance(args.get("bias"), torch.fx.Node):
         demands[args["bias"]] = REPLICATE
