@@ -66,6 +66,7 @@ def test_placements_are_written_only_through_place():
 # Which modules may create a call of each collective in a graph (collectives.insert_call).
 CREATORS = {
     "ulysses_compile/passes/redistribute.py": {"scatter_seq", "gather_seq", "seq_to_heads", "reduce_partial", "sync_grad",
+                                                "reblock_seq",
                                "add_previous_ranks_totals"},
     "ulysses_compile/passes/insert_all_to_all.py": {"seq_to_heads", "seq_to_heads_qkv", "heads_to_seq", "gather_kv_heads"},
     "ulysses_compile/passes/average_data_parallel_grads.py": {"average_grad"},

@@ -71,6 +71,29 @@ def _equal_to_eager(rank, model, args, kwargs, name):
     compare_model(rank, model, reference, {f"{name} {key}": (got[key], want[key]) for key in got})
 
 
+class RowsPerPosition(torch.nn.Module):
+    """Attention over S positions, then each position made into 2 rows of a second attention's sequence
+    (BLT's patches: ``[B, S, 2D]`` reshaped to ``[B, 2S, D]``): at S = 25 over 4 ranks the positions'
+    blocks (7, 6, 6, 6) are rows 14, 12, 12, 12, where the second attention's 50 rows split 13, 13, 12, 12."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.widen = torch.nn.Linear(dim, 2 * dim)
+        self.rows_qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def attend(self, x, qkv):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        x = x + self.attend(x, self.qkv)
+        return self.attend(self.widen(x).reshape(b, 2 * s, d), self.rows_qkv)
+
+
 def _case(name: str) -> tuple:
     """(model, args, kwargs) of one case at four ranks: S = 30 splits 8, 8, 7, 7; S = 2 is shorter than
     the ranks (replicated); cumsum positions, first-token pooling, a sequence-first layout, graph breaks."""
@@ -80,10 +103,14 @@ def _case(name: str) -> tuple:
     if name in ("roberta_padding", "bert_classifier"):
         factory, kind = model_zoo()[name]
         return factory(), (), zoo_inputs(kind, seq=30)
+    if name == "two rows per position":
+        torch.manual_seed(0)
+        return RowsPerPosition(), (torch.randn(2, 25, 16),), {}
     return (sequence_first if name == "sequence_first" else graph_break_gpt)(seq=30)
 
 
-CASES = ["llama S=30", "llama S=2", "roberta_padding", "bert_classifier", "sequence_first", "graph_breaks"]
+CASES = ["llama S=30", "llama S=2", "roberta_padding", "bert_classifier", "sequence_first", "graph_breaks",
+         "two rows per position"]
 
 
 def case_equal_to_eager(rank, world_size, name):

@@ -43,6 +43,7 @@ from ulysses_compile.core.collectives import (
     add_previous_ranks_totals,
     gather_seq,
     insert_call,
+    reblock_seq,
     reduce_partial,
     scatter_seq,
     seq_to_heads,
@@ -57,6 +58,7 @@ from ulysses_compile.core.sharding import (
     PartialScan,
     Replicate,
     Shard,
+    block_sizes,
     completed,
     is_permuted,
     is_rank_local,
@@ -108,8 +110,15 @@ class _Redistributor:
                 return self._insert(reduce_partial, (node, ctx.group_name), node, done, before)
             return self._insert(add_previous_ranks_totals, (node, have.dim, ctx.rank_for(node.graph), ctx.world_size,
                                                             ctx.group_name), node, done, before)
-        if have == want or _same_blocks(have, want):
+        if have == want:
             return node
+        blocks = _row_blocks(have, want, sharding_of(node).global_value, ctx.world_size)
+        if blocks is not None and (blocks[0] == blocks[1] or ctx.head_tail):  # (head-tail: lengths that cut evenly)
+            return node
+        if blocks is not None:
+            held, wanted = blocks
+            return self._insert(reblock_seq, (node, have.dim, held, wanted, ctx.rank, ctx.world_size, ctx.group_name),
+                                node, want, before)
         if is_permuted(have) or is_permuted(want):
             raise InternalError(f"{node.name} is {have} and was asked for as {want}: rows in a rank's own order "
                                 f"have no conversion (propagate_sharding gathers their sort's input instead)")
@@ -179,15 +188,27 @@ class _Writes:
             self.version[self.base.get(written, written)] += 1
 
 
-def _same_blocks(have, want) -> bool:
-    """``MergedShard(d, 1, inner)`` and ``Shard(d)`` both hold one contiguous block of dim d per rank."""
+def _row_blocks(have, want, value, world_size: int) -> tuple[tuple, tuple] | None:
+    """The rows of dim d each rank holds and would hold, ``(first, count)`` per rank, where ``have`` and
+    ``want`` each hold one contiguous block of it per rank (``MergedShard(d, 1, inner)``, ``Shard(d)``):
+    the balanced blocks of the merged sequence, ``inner`` rows a position. They differ where P does not
+    divide the sequence: BLT's 25 patches of 2 rows each at P = 4 are rows 14, 12, 12, 12, the dim's 50
+    rows blocks of 13, 13, 12, 12. None otherwise, and for a symbolic length whose blocks may differ."""
     have_factors, want_factors = seq_factors(have), seq_factors(want)
-    return (
-        have_factors is not None
-        and want_factors is not None
-        and have_factors[0] == want_factors[0]
-        and have_factors[1] == want_factors[1] == 1
-    )
+    if have_factors is None or want_factors is None or have_factors[0] != want_factors[0] \
+            or not have_factors[1] == want_factors[1] == 1:
+        return None
+    rows = value.shape[have_factors[0]]
+    if is_symbolic(rows):
+        same = have_factors[2] == want_factors[2] or even_blocks(rows // max(have_factors[2], want_factors[2]),
+                                                                  world_size)
+        return ((), ()) if same else None
+
+    def blocks(inner: int) -> tuple:
+        sizes = [size * inner for size in block_sizes(rows // inner, world_size)]
+        return tuple((sum(sizes[:rank]), size) for rank, size in enumerate(sizes))
+
+    return blocks(have_factors[2]), blocks(want_factors[2])
 
 
 def _requires_grad(node: fx.Node) -> bool:
