@@ -324,6 +324,8 @@ def test_explain_generation_shows_the_prompt_and_decoding_plans_and_the_cache_pe
     assert report.cache_bytes * 2 == report.whole_cache_bytes and report.cache_layout == "the rank's heads"
     text = str(report)
     assert "decoding: collectives per call: reduce_partial x2" in text and "0.500 of one device's" in text, text
+    assert "decoding: projections on the rank's heads: 6 linear layer(s) read the rank's heads' rows of their " \
+           "weights (q, k, v), 2 its columns" in text, text
     (tmp_path / "model.py").write_text(textwrap.dedent(MODEL_FILE))
     assert cli.main(["explain", f"{tmp_path}/model.py:make", "--world-size", "4", "--generate", "2"]) == 0
     printed = capsys.readouterr().out

@@ -125,3 +125,122 @@ def test_causal_conv1d_is_the_padded_convolution_sliced(kernel, dilation):
     reach = dilation * (kernel - 1)
     block = causal_conv1d(x[..., 10:], weight, bias, dilation, 6, before=x[..., 10 - reach:10])
     torch.testing.assert_close(block, padded[..., 10:])
+
+
+class Convolution(torch.nn.Module):
+    """A depthwise convolution over [B, C, S] and what keeps its outputs, before an attention (so the
+    graph is split)."""
+
+    def __init__(self, keep, stride: int = 1, padding=3, second_reader: bool = False):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 4, groups=8, stride=stride, padding=padding)
+        self.keep, self.second_reader = keep, second_reader
+
+    def forward(self, x):  # [B, S, C]
+        full = self.conv(x.transpose(1, 2))
+        y = self.keep(full, x.shape[1]).transpose(1, 2)
+        q = k = v = y.unflatten(-1, (2, 4)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out + full.mean() if self.second_reader else out
+
+
+@pytest.mark.parametrize("conv", [
+    pytest.param(Convolution(lambda y, s: y[..., 3:]), id="anti-causal: the last outputs kept"),
+    pytest.param(Convolution(lambda y, s: y[..., :s], stride=2, padding=3), id="stride 2"),
+    pytest.param(Convolution(lambda y, s: y[..., :s], padding=2), id="padding not k - 1"),
+    pytest.param(Convolution(lambda y, s: y, padding="same"), id="padding same"),
+    pytest.param(Convolution(lambda y, s: y[..., :s], second_reader=True), id="a second reader"),
+    pytest.param(Convolution(lambda y, s: y[..., 1:s + 1]), id="a window shifted by one"),
+])
+def test_convolutions_that_are_not_causal_are_left_as_they_are(fake_group, conv):
+    from graphs import rewritten_graphs
+
+    fake_group(2)
+    (gm,) = rewritten_graphs(conv, (torch.randn(2, 16, 8),))
+    assert "causal_conv1d" not in gm.code and "rows_before" not in gm.code
+    assert gm.meta["ulysses_report"].graphs["recognize_causal_convolution"] == \
+        gm.meta["ulysses_report"].graphs["drop_dead_values"]
+
+
+def test_a_reach_past_the_smallest_block_gathers_with_the_reason(fake_group):
+    """A dilation-4 kernel of 4 reaches 12 rows back: at P = 4 over 40 positions (blocks of 10) the
+    convolution runs on the gathered sequence, reported."""
+    from graphs import rewritten_graphs
+
+    fake_group(4)
+    torch.manual_seed(0)
+    model = HybridLM(kernel=4, dilation=4)
+    ids = torch.randint(0, 96, (2, 40))
+    (gm,) = rewritten_graphs(model, (ids, ids))
+    report = gm.meta["ulysses_report"]
+    assert "causal_conv1d" in gm.code and "rows_before" not in gm.code
+    assert [fallback.op for fallback in report.fallbacks] == ["causal_conv1d"], report.fallbacks
+
+
+class ConvolutionLM(nn.Module):
+    """No attention: embedding, two gated short convolutions with residuals, a norm and an LM head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mixers = nn.ModuleList(GatedConvolution(dim, 4, dilation) for dilation in (1, 2))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, targets):
+        x = self.embed(ids)
+        for mixer in self.mixers:
+            x = x + mixer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def tiny_mamba2():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1,
+        state_size=8, chunk_size=16, conv_kernel=4))
+
+
+def without_attention_equal_to_eager(rank, world_size):
+    torch.manual_seed(0)
+    model = ConvolutionLM()
+    reference = copy.deepcopy(model)
+    ids, targets = token_batch(seq=24)
+    ids, targets = ids % 96, targets.clamp(min=0) % 96
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
+    want = reference(ids, targets)
+    (report,) = reports
+    kinds = [call.kind for call in report.collectives]
+    assert not report.replicated and len(report.convolutions) == 2 and not report.fallbacks, str(report)
+    assert kinds.count("rows_before") == 2 and "gather_seq" not in kinds, kinds
+    got[0].backward()
+    want[0].backward()
+    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
+
+    model = tiny_mamba2()
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=24)
+    ids, labels = ids % 96, labels.clamp(min=0) % 96
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    (report,) = reports
+    kinds = [call.kind for call in report.collectives]
+    # the convolutions on the rank's blocks; the chunked scan still runs on the gathered sequence (reported)
+    assert not report.replicated and report.convolutions == ["backbone.layers.0.mixer", "backbone.layers.1.mixer"]
+    assert kinds.count("rows_before") == 2 and report.fallbacks, str(report)
+    got.loss.backward()
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+def test_a_model_without_attention_runs_its_convolutions_on_the_rank_blocks():
+    """A plain-PyTorch model of gated convolutions (nothing gathered) and transformers' Mamba 2 (its
+    convolutions on the rank's blocks, its scan gathered) at P = 2: split, not replicated, and equal to
+    eager."""
+    run_ranks(without_attention_equal_to_eager, 2)

@@ -19,6 +19,7 @@ from models import tiny_llama, token_batch
 from multirank import assert_close, run_ranks
 
 from ulysses_compile.core.boundary import GatheredOnUse
+from ulysses_compile.core.sharding import block_sizes
 
 pytestmark = pytest.mark.multirank
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.multirank
 def _model(name: str, kv_heads: int):
     if name == "llama":
         return tiny_llama(heads=2 * kv_heads, kv_heads=kv_heads, layers=2)
+    if name == "llama-mha":  # as many key/value heads as query heads
+        return tiny_llama(heads=kv_heads, kv_heads=kv_heads, layers=2)
     import transformers
 
     torch.manual_seed(0)
@@ -35,15 +38,16 @@ def _model(name: str, kv_heads: int):
 
 
 def _cache_bytes_on_heads(cache, kv_heads: int, world_size: int, length: int) -> int:
-    """Every layer's keys and values are the rank's kv_heads / P heads at every position, not read (so
-    not gathered); returns their bytes on this rank."""
+    """Every layer's keys and values are the rank's block of the kv_heads (balanced: 6 over 4 ranks are
+    2, 2, 1, 1) at every position, not read (so not gathered); returns their bytes on this rank."""
     held = 0
     for layer, entry in enumerate(cache.layers):
         for name in ("keys", "values"):
             value = getattr(entry, name)
             assert isinstance(value, GatheredOnUse) and not value.gathered, (layer, name, type(value))
             block = value._block
-            assert tuple(block.shape[1:3]) == (kv_heads // world_size, length), (layer, name, tuple(block.shape))
+            assert tuple(block.shape[1:3]) == (block_sizes(kv_heads, world_size)[dist.get_rank()], length), \
+                (layer, name, tuple(block.shape))
             held += block.numel() * block.element_size()
     return held
 
@@ -65,7 +69,8 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
         held = _cache_bytes_on_heads(cache, kv_heads, world_size, prompt)
         whole = sum(tensor.numel() * tensor.element_size() for layer in want_cache.layers
                     for tensor in (layer.keys, layer.values))
-        assert held * world_size == whole, (held, whole)  # 1/P of eager's cache bytes
+        share = block_sizes(kv_heads, world_size)[rank]
+        assert held * kv_heads == whole * share, (held, whole)  # the rank's heads' share of eager's cache bytes
         assert_close(f"rank {rank} prompt logits", got.logits, want.logits)
         for step in range(steps):
             token = continuation[:, step:step + 1]
@@ -90,15 +95,22 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
         assert_close(f"rank {rank} layer {layer} values", entry.values, want_entry.values)
 
 
-def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group):
-    """At P = 4 (rank 1, one process): the q, k and v projections of a decoding step read the weight's
-    rows of the rank's heads, the output projection its columns of them, and their partial products are
-    summed by one all-reduce per layer; the MLP and the LM head read their whole weights."""
+@pytest.mark.parametrize("name, kv_heads, rank, heads_read, kv_read", [
+    ("llama", 4, 1, 2, 1),  # 8 query heads, 4 key/value heads, head dim 8, hidden 64
+    ("llama-mha", 6, 3, 1, 1),  # 6 heads over 4 ranks: 2, 2, 1, 1; hidden 48
+])
+def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group, name, kv_heads, rank, heads_read,
+                                                                        kv_read):
+    """At P = 4 (one process): the q, k and v projections of a decoding step read the weight's rows of
+    the rank's heads (whole heads, also where the heads split unevenly), the output projection its
+    columns of them, and their partial products are summed by one all-reduce per layer; the MLP and the
+    LM head read their whole weights."""
     from ulysses_compile.backend import ulysses
     from ulysses_compile.core.collectives import reduce_partial, scatter_seq
 
-    fake_group(4, 1)
-    model, graphs = _model("llama", 4), []  # 8 query heads, 4 key/value heads, head dim 8, hidden 64
+    fake_group(4, rank)
+    model, graphs = _model(name, kv_heads), []
+    hidden, head_dim = model.config.hidden_size, model.config.head_dim
 
     def capture(gm, example_inputs):
         compiled = ulysses(gm, example_inputs, options={"compiler": "eager"})
@@ -123,9 +135,9 @@ def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group
             read[name.replace("_modules_", ".")] = (weight.kwargs["dim"] if sliced else None,
                                                    tuple(weight.meta["val"].shape))
     for layer in ("layers.0", "layers.1"):
-        assert read[f"{layer}.self_attn.q_proj"] == (0, (16, 64))  # 2 of 8 heads x head dim 8
-        assert read[f"{layer}.self_attn.k_proj"] == read[f"{layer}.self_attn.v_proj"] == (0, (8, 64))  # 1 of 4
-        assert read[f"{layer}.self_attn.o_proj"] == (1, (64, 16))
+        assert read[f"{layer}.self_attn.q_proj"] == (0, (heads_read * head_dim, hidden))
+        assert read[f"{layer}.self_attn.k_proj"] == read[f"{layer}.self_attn.v_proj"] == (0, (kv_read * head_dim, hidden))
+        assert read[f"{layer}.self_attn.o_proj"] == (1, (hidden, heads_read * head_dim))
         assert {read[f"{layer}.mlp.{name}"][0] for name in ("gate_proj", "up_proj", "down_proj")} == {None}
     assert read["lm_head"][0] is None
     reductions = [node for node in step.graph.nodes if node.op == "call_function" and node.target is reduce_partial]
@@ -190,6 +202,7 @@ def generated_equal_to_eager(rank, world_size):
     pytest.param("llama", 4, 4, 1024, id="llama-P4-1024", marks=pytest.mark.slow),
     pytest.param("qwen3", 2, 2, 1024, id="qwen3-P2-1024", marks=pytest.mark.slow),
     pytest.param("qwen3", 4, 4, 1024, id="qwen3-P4-1024", marks=pytest.mark.slow),
+    pytest.param("llama-mha", 4, 6, 64, id="llama-6-heads-P4", marks=pytest.mark.slow),  # 2, 2, 1, 1 heads
 ])
 def test_decoding_reads_the_rank_heads_of_the_cache_equal_to_eager(name, world_size, kv_heads, prompt):
     run_ranks(decoding_on_cache_heads, world_size, name, kv_heads, prompt, 4)

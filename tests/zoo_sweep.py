@@ -357,9 +357,11 @@ def _describe(row: Row, reports) -> None:
                                                                  if "parallelized" not in s.decision]
     reasons += [why for r in reports for why in r.rejected_attention]
     row.reason = "; ".join(dict.fromkeys(reasons))[:300]
-    if row.sites and row.parallel_sites == row.sites and not row.gathers:
+    # a graph without attention split for its causal convolutions (Mamba's) is parallel too
+    convolutions = sum(len(r.convolutions) for r in reports if not r.replicated)
+    if (row.sites or convolutions) and row.parallel_sites == row.sites and not row.gathers:
         row.outcome = "parallel, exact"
-    elif row.parallel_sites:
+    elif row.parallel_sites or convolutions:
         row.outcome = "partly parallel, exact"
     elif row.reason:
         row.outcome = "replicated with a reason, exact"

@@ -58,6 +58,7 @@ from ulysses_compile.core.ring_attention import causal_work, ring_attention_ops
 from ulysses_compile.core.sharding import block_sizes, sharding_of
 from ulysses_compile.core.sizes import as_int, is_symbolic, same_size
 from ulysses_compile.passes.bucket_zero_gathers import inductor_buckets
+from ulysses_compile.passes.pipeline import PROJECTIONS_ON_HEADS
 from ulysses_compile.verify import differentiable_scalar
 from ulysses_compile.zero import compile_partitioned
 
@@ -180,6 +181,7 @@ class GenerationReport:
                 if graph.replicated:
                     lines.append(f"  {name}: runs replicated: {graph.replicated}")
                 lines += [f"  {name}: {site.summary()}" for site in graph.attention_sites]
+                lines += [f"  {name}: {note}" for note in graph.notes if note.startswith(PROJECTIONS_ON_HEADS)]
                 kinds = Counter(call.kind for call in graph.collectives if call.kind not in _BACKWARD_ONLY)
                 lines.append(f"  {name}: collectives per call: "
                              + (", ".join(f"{kind} x{count}" for kind, count in kinds.items()) or "none"))

@@ -61,6 +61,8 @@ class GraphReport:
     sharded_outputs: dict = field(default_factory=dict)  # output position -> boundary.SequenceBlocks, leaving sharded
     computed_outputs: dict[int, LazyLinear] = field(default_factory=dict)  # sharded output -> how it is computed
     fallbacks: list[Fallback] = field(default_factory=list)
+    # causal convolutions run on the rank's block (module paths), with the rows before it
+    convolutions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     replicated_draws: list[str] = field(default_factory=list)  # random draws read whole: the ranks' generators must agree
     collectives: list[Collective] = field(default_factory=list)
@@ -81,6 +83,9 @@ class GraphReport:
             lines.append(f"runs replicated: {self.replicated}")
         lines += [f"  {site.summary()}" for site in self.attention_sites]
         lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]
+        if self.convolutions:
+            lines.append(f"causal convolutions on the rank's block, with the rows before it: {len(self.convolutions)} "
+                         f"({', '.join(self.convolutions[:3])}{' ...' if len(self.convolutions) > 3 else ''})")
         counts: dict[str, int] = {}
         for c in self.collectives:
             counts[c.kind] = counts.get(c.kind, 0) + 1

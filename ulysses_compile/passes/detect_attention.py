@@ -129,8 +129,7 @@ def _on_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
     new = f"{site.seq_len} new position" + ("s" if site.seq_len != 1 else "")
     return replace(site, ulysses=world_size, on_cache_heads=True, decision=(
         f"parallelized on the rank's heads of its key/value cache (heads per rank {heads}; {new}, fewer than "
-        f"the ranks): no all-to-all; linear projections of q, k, v and the output read the rank's heads' rows "
-        f"and columns of their weights (the output's partial sums summed over the ranks)"))
+        f"the ranks): no all-to-all"))
 
 
 def _reads_cache_heads(site: AttentionSite, ctx) -> bool:

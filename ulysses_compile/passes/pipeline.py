@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,11 +39,11 @@ from ulysses_compile.core.compat import (
     trace_structured,
 )
 from ulysses_compile.core.context import PassContext
-from ulysses_compile.core.fx_graph import mutated_arg
+from ulysses_compile.core.fx_graph import method_or_function_args, mutated_arg
 from ulysses_compile.core.random_draws import random_draw
 from ulysses_compile.core.report import Collective, GraphReport, module_path
 from ulysses_compile.core.ring_attention import ring_attention
-from ulysses_compile.core.sharding import RANK_SPECIFIC, is_sharded, sharding_of
+from ulysses_compile.core.sharding import RANK_SPECIFIC, REPLICATE, is_sharded, seq_factors, sharding_of
 from ulysses_compile.passes.average_data_parallel_grads import average_data_parallel_grads
 from ulysses_compile.passes.check_local_shapes import check_local_shapes
 from ulysses_compile.passes.decompose_multi_head_attention import decompose_multi_head_attention
@@ -54,8 +55,8 @@ from ulysses_compile.passes.keep_cache_on_heads import keep_cache_on_heads
 from ulysses_compile.passes.localize_ops import localize_ops
 from ulysses_compile.passes.merge_gradient_reductions import merge_gradient_reductions
 from ulysses_compile.passes.plan_sequence_layout import plan_sequence_layout
-from ulysses_compile.passes.propagate_sharding import propagate_sharding
-from ulysses_compile.passes.recognize_causal_convolution import recognize_causal_convolution
+from ulysses_compile.passes.propagate_sharding import LINEAR, propagate_sharding
+from ulysses_compile.passes.recognize_causal_convolution import causal_convolutions, recognize_causal_convolution
 from ulysses_compile.passes.recognize_causal_mask import recognize_causal_mask
 from ulysses_compile.passes.recognize_flash_attention import recognize_flash_attention
 from ulysses_compile.passes.redistribute import redistribute
@@ -65,6 +66,9 @@ from ulysses_compile.passes.tile_mlp import tile_mlp
 from ulysses_compile.passes.tile_token_loss import tile_token_loss
 
 log = logging.getLogger("ulysses_compile")
+
+# The note of a graph decoding on a key/value cache's heads: how its projections split.
+PROJECTIONS_ON_HEADS = "projections on the rank's heads"
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
@@ -87,7 +91,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
             _warn_once(report.notes[-1])
         unsplit = copy_graph(gm.graph)
         try:
-            report.replicated = _why_replicated(detection, ctx)
+            report.replicated = _why_replicated(detection, causal_convolutions(gm.graph), ctx)
             if not report.replicated:
                 _split(gm, ctx, detection.sites, report)
         except GuardOnDataDependentSymNode as error:
@@ -134,6 +138,10 @@ def _sized_by_data(report: GraphReport, error: Exception) -> GraphReport:
 
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
+    report.convolutions = [module_path(conv) or conv.name for conv in causal_convolutions(gm.graph)
+                           if is_sharded(sharding_of(conv).output)]
+    if any(site.on_cache_heads for site in sites):
+        report.notes.append(_projections_on_heads(gm))
     report.replicated_draws = _replicated_draws(gm)
     layout = _run(report, plan_sequence_layout, gm, ctx, sites)
     report.head_tail, report.sequence_layout = layout.head_tail, layout.why
@@ -155,6 +163,20 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     report.sharded_outputs = _run(report, keep_cache_on_heads, gm, ctx, sites, report.sharded_outputs)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
+
+
+def _projections_on_heads(gm: fx.GraphModule) -> str:
+    """How many linear layers of a decoding step read the rank's heads' rows of their weights (making q,
+    k and v) or columns (the output's partial sums), as propagation placed them."""
+    split = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in LINEAR and sharding_of(node) is not None:
+            weight = method_or_function_args(node, ("input", "weight"))["weight"]
+            factors = seq_factors(sharding_of(node).inputs.get(weight, REPLICATE))
+            split[factors[0] if factors else None] += 1
+    return (f"{PROJECTIONS_ON_HEADS}: {split[0]} linear layer(s) read the rank's heads' rows of their weights "
+            f"(q, k, v), {split[1]} its columns (the attention's output: partial sums, all-reduced); "
+            f"{split[None]} read their whole weights")
 
 
 def _replicated_draws(gm: fx.GraphModule) -> list[str]:
@@ -244,15 +266,18 @@ def _run(report: GraphReport, graph_pass, gm: fx.GraphModule, ctx: PassContext, 
     return result
 
 
-def _why_replicated(detection: Detection, ctx: PassContext) -> str:
-    """A graph without attention, or whose sequences are shorter than the ranks (blocks would be empty,
-    and a compiler may drop the collectives of an empty block on some ranks only), is computed whole
-    on every rank: exact, and at such lengths nothing is gained by splitting. A graph that receives
-    sequence-sharded values a graph before it left lazily (the hidden states and router logits after a
-    graph break) runs on those blocks, with or without attention."""
+def _why_replicated(detection: Detection, convolutions: list[fx.Node], ctx: PassContext) -> str:
+    """A graph without attention or causal convolutions, or whose sequences are shorter than the ranks
+    (blocks would be empty, and a compiler may drop the collectives of an empty block on some ranks
+    only), is computed whole on every rank: exact, and at such lengths nothing is gained by splitting. A
+    graph that receives sequence-sharded values a graph before it left lazily (the hidden states and
+    router logits after a graph break) runs on those blocks, with or without attention."""
     sites, world_size = detection.sites, ctx.world_size
-    if not sites and ctx.lazy_inputs:
-        return ""
+    if not sites and (ctx.lazy_inputs or convolutions):
+        short = [conv.args[0].meta["example_value"].shape[-1] for conv in convolutions]
+        short = [length for length in short if length < world_size]
+        return f"a sequence of {short[0]} positions is shorter than the {world_size} sequence-parallel ranks" \
+            if short and not ctx.lazy_inputs else ""
     if not sites and detection.rejected:
         more = f" (and {len(detection.rejected) - 1} more rejected)" if len(detection.rejected) > 1 else ""
         return f"no attention in this graph is parallelized: {detection.rejected[0]}{more}"

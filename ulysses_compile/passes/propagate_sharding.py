@@ -54,6 +54,7 @@ from ulysses_compile.core.sharding import (
 )
 from ulysses_compile.core.sizes import same_size
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
+from ulysses_compile.passes.recognize_causal_convolution import causal_convolutions
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
 from ulysses_compile.passes.rules.routing import FRESH_BUFFERS, whole_like
 from ulysses_compile.passes.sequence_dims import sequence_dims
@@ -125,12 +126,13 @@ class _Placed:
 
 def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     """Place every node; returns what propagation must revisit."""
-    feeds_attention = ancestors(site.entering(role) for site in sites for role in ("query", "key", "value"))
+    mixed = _mixed_inputs(gm.graph, sites)
+    feeds_mixers = ancestors(node for node, _ in mixed)
     feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
     site_nodes = {site.node for site in sites if site.scores is None}
     head_parallel = _head_parallel_nodes(sites)
-    seq_dims = sequence_dims(sites, ctx.parameters)
-    seq_lengths = [length for site in sites for length in (site.seq_len, site.kv_seq_len)]
+    seq_dims = sequence_dims(mixed, ctx.parameters)
+    seq_lengths = [node.meta["example_value"].shape[dim] for node, dim in mixed]
     reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
@@ -138,7 +140,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     projections = _projections_onto_heads(on_cache_heads.values(), ctx.parameters)
     # Decoding on a cache's heads: the cache and the projections onto heads are sharded (over heads), the
     # new positions stay whole.
-    starts = (reads_lazy if on_cache_heads else feeds_attention | reads_lazy) - feeds_masks - views_of_written
+    starts = (reads_lazy if on_cache_heads else feeds_mixers | reads_lazy) - feeds_masks - views_of_written
     view = RuleView(_output_placement, ctx.world_size)
     placed = _Placed()
     for node in gm.graph.nodes:
@@ -178,6 +180,15 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
             _find_stranded(node, sharding.inputs, view, placed)
             place(node, sharding)
     return placed
+
+
+def _mixed_inputs(graph: fx.Graph, sites) -> list[tuple[fx.Node, int]]:
+    """The values entering a layer that mixes positions, each with its sequence dim: every attention's
+    q, k and v, every causal convolution's input (``[B, C, S]``)."""
+    mixed = [(site.entering(role), site.seq_axis) for site in sites for role in ("query", "key", "value")]
+    mixed += [(conv.args[0], conv.args[0].meta["example_value"].dim() - 1) for conv in causal_convolutions(graph)]
+    return [(node, dim) for node, dim in mixed if isinstance(node, fx.Node)
+            and isinstance(node.meta.get("example_value"), torch.Tensor)]
 
 
 def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed) -> None:

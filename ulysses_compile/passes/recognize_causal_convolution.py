@@ -51,6 +51,11 @@ def recognize_causal_convolution(gm: fx.GraphModule, ctx) -> list[str]:
     return rewritten
 
 
+def causal_convolutions(graph: fx.Graph) -> list[fx.Node]:
+    """The ``causal_conv1d`` calls of a graph this pass rewrote."""
+    return list(graph.find_nodes(op="call_function", target=causal_conv1d))
+
+
 def _causal(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     """(the slice keeping the first outputs, dilation, groups) of a causal ``conv1d``, or None."""
     if node.op != "call_function" or node.target not in spellings("conv1d") or len(node.users) != 1:
@@ -68,8 +73,11 @@ def _causal(node: fx.Node) -> tuple[fx.Node, int, int] | None:
         return None
     entries = index_entries(kept.args[1], 3)
     if len(entries) != 3 or entries[:2] != [slice(None), slice(None)] or not isinstance(entries[2], slice) \
-            or entries[2].start not in (None, 0) or entries[2].step not in (None, 1) \
-            or entries[2].stop is None or not same_size(entries[2].stop, x.shape[-1]):
+            or entries[2].start not in (None, 0) or entries[2].step not in (None, 1):
+        return None
+    stop = entries[2].stop  # a symbolic length's stop is a node of the graph
+    stop = stop.meta.get("example_value") if isinstance(stop, fx.Node) else stop
+    if stop is None or not same_size(stop, x.shape[-1]):
         return None
     return kept, dilation, args["groups"]
 

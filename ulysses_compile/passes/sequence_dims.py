@@ -1,6 +1,7 @@
 """Which dim of each value holds the sequence, found from how tensors reach attention.
 
-Walking back from every attention's q, k and v (whose sequence dim the site knows) through views,
+Walking back from every attention's q, k and v (whose sequence dim the site knows), and from every
+causal convolution's input (its last dim), through views,
 dim shuffles, indexing, splits, embeddings, linear layers and elementwise ops gives, for the values on
 the way, the dim that becomes the attention's sequence dim: ``input_ids`` ``[B, S]`` -> 1, a Megatron-style
 ``[S, B, H]`` input -> 0, whatever the sizes (also when B == S). Propagation seeds sequence sharding with
@@ -23,17 +24,16 @@ from ulysses_compile.passes.rules.shape_ops import SPLITS, TRANSPOSES, UNBINDS, 
 PRODUCTS = spellings("linear", "matmul", "bmm")
 
 
-def sequence_dims(sites, parameters) -> dict[fx.Node, int]:
+def sequence_dims(sources, parameters) -> dict[fx.Node, int]:
+    """``sources``: (value, its sequence dim) for each value entering a layer that mixes positions."""
     found: dict[fx.Node, int] = {}
-    for site in sites:
-        for node in map(site.entering, ("query", "key", "value")):
-            dim = site.seq_axis
-            while isinstance(node, fx.Node) and node not in found and node not in parameters:
-                found[node] = dim
-                step = _source_dim(node, dim, parameters)
-                if step is None:
-                    break
-                node, dim = step
+    for node, dim in sources:
+        while isinstance(node, fx.Node) and node not in found and node not in parameters:
+            found[node] = dim
+            step = _source_dim(node, dim, parameters)
+            if step is None:
+                break
+            node, dim = step
     return found
 
 

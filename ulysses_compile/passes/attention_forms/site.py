@@ -75,7 +75,7 @@ class AttentionSite:
     ulysses: int = 1
     ring: int = 1
     # Decoding: fewer queries than ranks, keys and values the rank's heads of a head-sharded KV cache (a
-    # graph before this one left them so): q taken to the rank's heads, no all-to-all, the output gathered
+    # graph before this one left them so): q, k, v and the output on the rank's heads, no all-to-all
     on_cache_heads: bool = False
     decision: str = ""  # what the rewrite does at this world size
 
