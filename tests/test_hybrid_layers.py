@@ -239,8 +239,24 @@ def without_attention_equal_to_eager(rank, world_size):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_a_model_without_attention_runs_its_convolutions_on_the_rank_blocks():
     """A plain-PyTorch model of gated convolutions (nothing gathered) and transformers' Mamba 2 (its
     convolutions on the rank's blocks, its scan gathered) at P = 2: split, not replicated, and equal to
     eager."""
     run_ranks(without_attention_equal_to_eager, 2)
+
+
+def test_a_graph_of_convolutions_without_attention_is_split(fake_group):
+    """One process at P = 4 (rank 2): the gated-convolution LM's graph is split (its structure; the slow
+    tier checks the values on gloo ranks), both convolutions on the rank's block, nothing gathered."""
+    from graphs import rewritten_graphs
+
+    fake_group(4, 2)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 32))
+    (gm,) = rewritten_graphs(ConvolutionLM(), (ids, ids))
+    report = gm.meta["ulysses_report"]
+    kinds = [call.kind for call in report.collectives]
+    assert not report.replicated and not report.fallbacks and len(report.convolutions) == 2, str(report)
+    assert kinds.count("rows_before") == 2 and "gather_seq" not in kinds, kinds

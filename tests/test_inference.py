@@ -146,6 +146,41 @@ def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group
         for layer in (0, 1)]
 
 
+def a_second_prompt_over_the_cache(rank, world_size):
+    model = _model("llama", 2)
+    reference = copy.deepcopy(model)
+    ids, _ = token_batch(seq=64)
+    turn, _ = token_batch(seq=16, seed=7)
+    reports = []
+    compiled = torch.compile(model, backend=reporting_backend(reports))
+    with torch.no_grad():
+        got, want = compiled(input_ids=ids, use_cache=True), reference(input_ids=ids, use_cache=True)
+        got = compiled(input_ids=turn, past_key_values=got.past_key_values, use_cache=True)
+        want = reference(input_ids=turn, past_key_values=want.past_key_values, use_cache=True)
+        assert_close(f"rank {rank} second prompt's logits", got.logits, want.logits)
+        _cache_bytes_on_heads(got.past_key_values, 2, world_size, 64 + 16)
+        second = reports[-1]
+        kinds = [call.kind for call in second.collectives]
+        assert all(site.kv_on_cache_heads for site in second.attention_sites) and not second.replicated, str(second)
+        # per layer: the new keys and values joined to the cache's heads and q sent to heads (3 all-to-alls),
+        # the output back (1); the cache neither gathered nor sent
+        assert kinds.count("seq_to_heads") == 3 * 2 and kinds.count("heads_to_seq") == 2, kinds
+        assert not {"gather_seq", "seq_to_heads_qkv", "gather_kv_heads"} & set(kinds), kinds
+        token = turn[:, -1:]
+        step = compiled(input_ids=token, past_key_values=got.past_key_values, use_cache=True)
+        want_step = reference(input_ids=token, past_key_values=want.past_key_values, use_cache=True)
+        assert_close(f"rank {rank} logits of the step after it", step.logits, want_step.logits)
+        assert all(site.on_cache_heads for site in reports[-1].attention_sites)
+        _cache_bytes_on_heads(step.past_key_values, 2, world_size, 64 + 16 + 1)
+
+
+def test_a_second_prompt_over_the_cache_keeps_it_on_the_heads():
+    """A second turn (16 new tokens, P or more) over the cache the first left on the rank's heads: its
+    keys and values joined to the cache's heads, q alone sent to the heads, the cache never gathered;
+    logits equal to eager's, and the decoding step after it on the heads again."""
+    run_ranks(a_second_prompt_over_the_cache, 2)
+
+
 def _agreed_prefix(tokens: torch.Tensor, logits: tuple, new: int) -> int:
     """How many of eager's new greedy tokens are decided: up to the first step whose top-2 logits are
     within 1e-3 (a near tie, which rounding may flip)."""

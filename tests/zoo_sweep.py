@@ -359,7 +359,8 @@ def _describe(row: Row, reports) -> None:
     row.reason = "; ".join(dict.fromkeys(reasons))[:300]
     # a graph without attention split for its causal convolutions (Mamba's) is parallel too
     convolutions = sum(len(r.convolutions) for r in reports if not r.replicated)
-    if (row.sites or convolutions) and row.parallel_sites == row.sites and not row.gathers:
+    rejected = any(r.rejected_attention for r in reports)
+    if (row.sites or convolutions) and row.parallel_sites == row.sites and not row.gathers and not rejected:
         row.outcome = "parallel, exact"
     elif row.parallel_sites or convolutions:
         row.outcome = "partly parallel, exact"

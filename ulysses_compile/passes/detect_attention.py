@@ -59,8 +59,11 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
                 rejected.append(f"{module_path(node) or node.name}: {site}")
                 log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
-        if _reads_cache_heads(site, ctx):  # no length is split: no guard on its class
+        if _reads_cache_heads(site, ctx) and _decodes(site, ctx):  # no length is split: no guard on its class
             site = _on_cache_heads(site, ctx.world_size)
+        elif _reads_cache_heads(site, ctx):
+            pin_length_class(site.seq_len, ctx.world_size)
+            site = _over_cache_heads(site, ctx.world_size)
         else:
             pin_length_class(site.seq_len, ctx.world_size)
             pin_length_class(site.kv_seq_len, ctx.world_size)
@@ -132,13 +135,25 @@ def _on_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
         f"the ranks): no all-to-all"))
 
 
+def _decodes(site: AttentionSite, ctx) -> bool:
+    """Fewer new positions than ranks (a static count): a decoding step."""
+    return not is_symbolic(site.seq_len) and site.seq_len < ctx.world_size
+
+
+def _over_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
+    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    return replace(site, ulysses=world_size, kv_on_cache_heads=True, decision=(
+        f"parallelized: heads per rank {heads}, the query by all-to-all, keys and values on the rank's heads "
+        f"of its key/value cache (the new positions' joined to them by all-to-all)"))
+
+
 def _reads_cache_heads(site: AttentionSite, ctx) -> bool:
-    """Whether the site decodes over a head-sharded key/value cache: an SDPA call with fewer queries than
-    ranks whose key and value are each computed from a value the query is not, which a graph before
-    this one left sharded on its heads dim (the cache it returned), with key/value heads that split like
-    the query heads."""
-    if site.form is not SDPA or is_symbolic(site.seq_len) or site.seq_len >= ctx.world_size \
-            or site.heads < ctx.world_size or not site.kv_by_all_to_all(ctx.world_size):
+    """Whether the site attends over a head-sharded key/value cache: an SDPA call under Ulysses alone
+    (a query head or more per rank) whose key and value are each computed from a value the query is
+    not, which a graph before this one left sharded on its heads dim (the cache it returned), with
+    key/value heads that split like the query heads."""
+    if site.form is not SDPA or site.heads < ctx.world_size or not site.kv_by_all_to_all(ctx.world_size) \
+            or ctx.options.ring not in (None, 1):
         return False
     on_heads = {node for node, placement in ctx.lazy_inputs.items() if placement == Shard(site.head_axis)
                 and node.meta["example_value"].shape[site.head_axis] == site.kv_heads}

@@ -104,16 +104,17 @@ def insert_all_to_all(gm: fx.GraphModule, ctx, sites: list) -> None:
 
 def _to_heads_and_back(graph: fx.Graph, site, ctx) -> None:
     """q, k, v to the rank's heads over the whole sequence (under a ring: its Ulysses group's chunk),
-    the call rewritten for them, its output back to the sequence."""
+    the call rewritten for them, its output back to the sequence. Keys and values already on the rank's
+    heads (``kv_on_cache_heads``: a key/value cache's) stay as they are: q alone is sent."""
     replaced: list[tuple[fx.Node, fx.Node]] = []
-    if not _fused_qkv(graph, site, ctx, replaced):
+    if site.kv_on_cache_heads or not _fused_qkv(graph, site, ctx, replaced):
         slot = site.slots["query"]
         query = slot.read()
         slot.write(_mark(insert_call(
             graph, seq_to_heads, (query, site.seq_axis, site.head_axis, site.seq_len, _rank(graph, site, ctx), ctx.world_size,
                                   ctx.group_name, *site.merged_heads_args()), before=slot.consumer), site.heads_placement(),
             query))
-        for role in ("key", "value"):
+        for role in () if site.kv_on_cache_heads else ("key", "value"):
             slot = site.slots[role]
             slot.write(_kv_for_rank_heads(graph, slot.consumer, role, site, ctx, replaced))
     site.form.on_rank_heads(site, ctx)

@@ -93,7 +93,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         try:
             report.replicated = _why_replicated(detection, causal_convolutions(gm.graph), ctx)
             if not report.replicated:
-                _split(gm, ctx, detection.sites, report)
+                # a note kept only once the split has gone through (a size read from data undoes it)
+                report.notes += _split(gm, ctx, detection.sites, report)
         except GuardOnDataDependentSymNode as error:
             gm.graph = unsplit
             report = _sized_by_data(report, error)
@@ -136,12 +137,12 @@ def _sized_by_data(report: GraphReport, error: Exception) -> GraphReport:
                                            *(f"{site.module}: {why}" for site in report.attention_sites)])
 
 
-def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> None:
+def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> list[str]:
+    """Run the passes that split the graph, filling ``report``; returns the notes on how it split."""
     report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
+    notes = [_projections_on_heads(gm)] if any(site.on_cache_heads for site in sites) else []
     report.convolutions = [module_path(conv) or conv.name for conv in causal_convolutions(gm.graph)
                            if is_sharded(sharding_of(conv).output)]
-    if any(site.on_cache_heads for site in sites):
-        report.notes.append(_projections_on_heads(gm))
     report.replicated_draws = _replicated_draws(gm)
     layout = _run(report, plan_sequence_layout, gm, ctx, sites)
     report.head_tail, report.sequence_layout = layout.head_tail, layout.why
@@ -163,6 +164,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     report.sharded_outputs = _run(report, keep_cache_on_heads, gm, ctx, sites, report.sharded_outputs)
     _run(report, check_local_shapes, gm, ctx)
     _run(report, recompute_inserted_nodes, gm, ctx)
+    return notes
 
 
 def _projections_on_heads(gm: fx.GraphModule) -> str:

@@ -137,6 +137,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
     # A view of a value written in place is not where sharding starts: it would view a sliced copy.
     views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
     on_cache_heads = {site.node: site for site in sites if site.on_cache_heads}
+    over_cache_heads = {site.node: site for site in sites if site.kv_on_cache_heads}
     projections = _projections_onto_heads(on_cache_heads.values(), ctx.parameters)
     # Decoding on a cache's heads: the cache and the projections onto heads are sharded (over heads), the
     # new positions stay whole.
@@ -159,6 +160,8 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
                 placed.fallbacks.append(_fallback_report(node, view, whole[node]))
         elif node in on_cache_heads:
             place(node, _on_cache_heads(on_cache_heads[node], value))
+        elif node in over_cache_heads:
+            place(node, _over_cache_heads(over_cache_heads[node], value))
         elif (projected := _projection_on_heads(node, projections.get(node), view, value)) is not None:
             place(node, projected)
         elif node in head_parallel:
@@ -186,9 +189,10 @@ def _mixed_inputs(graph: fx.Graph, sites) -> list[tuple[fx.Node, int]]:
     """The values entering a layer that mixes positions, each with its sequence dim: every attention's
     q, k and v, every causal convolution's input (``[B, C, S]``)."""
     mixed = [(site.entering(role), site.seq_axis) for site in sites for role in ("query", "key", "value")]
-    mixed += [(conv.args[0], conv.args[0].meta["example_value"].dim() - 1) for conv in causal_convolutions(graph)]
-    return [(node, dim) for node, dim in mixed if isinstance(node, fx.Node)
-            and isinstance(node.meta.get("example_value"), torch.Tensor)]
+    mixed += [(conv.args[0], -1) for conv in causal_convolutions(graph)]
+    mixed = [(node, dim) for node, dim in mixed if isinstance(node, fx.Node)
+             and isinstance(node.meta.get("example_value"), torch.Tensor)]
+    return [(node, dim % node.meta["example_value"].dim()) for node, dim in mixed]
 
 
 def _find_stranded(node: fx.Node, inputs: dict, view: RuleView, placed: _Placed) -> None:
@@ -222,6 +226,16 @@ def _on_cache_heads(site, value) -> NodeSharding:
     inputs = {site.entering(role): by_heads for role in ("query", "key", "value")}
     inputs.update({mask: REPLICATE for mask in site.mask_inputs()})
     return NodeSharding(by_heads, value, inputs)
+
+
+def _over_cache_heads(site, value) -> NodeSharding:
+    """A later prompt over a head-sharded cache: q in sequence blocks (``insert_all_to_all`` sends it to
+    the rank's heads and the output back), k and v the rank's heads (the cache's, the new positions'
+    joined to them), the mask whole; the output in sequence blocks."""
+    inputs = {site.entering("query"): Shard(site.seq_axis)}
+    inputs.update({site.entering(role): Shard(site.head_axis) for role in ("key", "value")})
+    inputs.update({mask: REPLICATE for mask in site.mask_inputs()})
+    return NodeSharding(Shard(site.seq_axis), value, inputs)
 
 
 def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[bool, int]]:
@@ -320,6 +334,11 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
     if pending:
         # Rules see completed values: a partial sum is all-reduced, a partial scan finished, first.
         view = view.overridden(pending)
+    lazy = {arg: ctx.lazy_inputs[arg] for arg in tensor_args if arg in ctx.lazy_inputs}
+    if lazy and any(is_rank_local(view.placement(arg)) for arg in tensor_args if arg not in lazy):
+        # A block a graph before this one left (a key/value cache on its heads) met with rank-local values
+        # is read as it lies, not gathered first.
+        view = view.overridden(lazy)
     if not is_site and not any(is_rank_local(view.placement(arg)) for arg in tensor_args):
         # An in-place op is never where sharding starts: it would write into a sliced copy.
         seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \

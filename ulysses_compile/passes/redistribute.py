@@ -113,8 +113,12 @@ class _Redistributor:
         if have == want:
             return node
         blocks = _row_blocks(have, want, sharding_of(node).global_value, ctx.world_size)
-        if blocks is not None and (blocks[0] == blocks[1] or ctx.head_tail):  # (head-tail: lengths that cut evenly)
+        if blocks is not None and blocks[0] == blocks[1]:
             return node
+        if blocks is not None and ctx.head_tail:
+            raise InternalError(f"{node.name} would move rows between blocks of different sizes ({have} to {want}) "
+                                f"in the head-tail layout, which plan_sequence_layout chooses only for lengths that "
+                                f"cut evenly")
         if blocks is not None:
             held, wanted = blocks
             return self._insert(reblock_seq, (node, have.dim, held, wanted, ctx.rank, ctx.world_size, ctx.group_name),
@@ -200,8 +204,8 @@ def _row_blocks(have, want, value, world_size: int) -> tuple[tuple, tuple] | Non
         return None
     rows = value.shape[have_factors[0]]
     if is_symbolic(rows):
-        same = have_factors[2] == want_factors[2] or even_blocks(rows // max(have_factors[2], want_factors[2]),
-                                                                  world_size)
+        same = have_factors[2] == want_factors[2] or (even_blocks(rows // have_factors[2], world_size)
+                                                      and even_blocks(rows // want_factors[2], world_size))
         return ((), ()) if same else None
 
     def blocks(inner: int) -> tuple:

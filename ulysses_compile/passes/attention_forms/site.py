@@ -77,6 +77,10 @@ class AttentionSite:
     # Decoding: fewer queries than ranks, keys and values the rank's heads of a head-sharded KV cache (a
     # graph before this one left them so): q, k, v and the output on the rank's heads, no all-to-all
     on_cache_heads: bool = False
+    # A later prompt over such a cache (P or more new tokens: a second turn, chunked prefill): the keys
+    # and values (the cache joined with the new ones) on the rank's heads; only q goes to the heads by
+    # all-to-all, and the output back
+    kv_on_cache_heads: bool = False
     decision: str = ""  # what the rewrite does at this world size
 
     def merged_heads_args(self) -> tuple:

@@ -540,11 +540,19 @@ def cat_rule(node, view):
     tensors, dim = args["tensors"], args["dim"]
     parts = [t for t in tensors if not _is_legacy_empty(view.value(t))]
     sharded = [view.placement(t) for t in parts if view.sharded(t) is not None]
-    if not sharded or any(p != sharded[0] for p in sharded):
+    if not sharded:
         return None
     ndim = view.value(parts[0]).dim()
     stacking = node.target is torch.stack
     dim = normalize_dim(dim, ndim + 1 if stacking else ndim)
+    if any(p != sharded[0] for p in sharded):
+        # Parts split along different dims (a key/value cache on its heads joined by the new positions'
+        # keys in sequence blocks): all are taken to the one split that is not along the joined dim.
+        across = {p for p in sharded if seq_factors(p)[0] != dim}
+        if stacking or len(across) != 1:
+            return None
+        (target,) = across
+        return Decision(target, {t: target for t in parts})
     seq_dim = sharded[0].dim
     if not stacking and dim == seq_dim:
         if len(parts) == 2:
