@@ -31,6 +31,12 @@ def _model(name: str, kv_heads: int):
         return tiny_llama(heads=kv_heads, kv_heads=kv_heads, layers=2)
     import transformers
 
+    if name == "llama-bias":  # biases on q, k, v and the output projection (attention_bias=True)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2 * kv_heads,
+            num_key_value_heads=kv_heads, attention_bias=True, max_position_embeddings=512))
+
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2 * kv_heads,
@@ -98,6 +104,7 @@ def decoding_on_cache_heads(rank, world_size, name, kv_heads, prompt, steps):
 @pytest.mark.parametrize("name, kv_heads, rank, heads_read, kv_read", [
     ("llama", 4, 1, 2, 1),  # 8 query heads, 4 key/value heads, head dim 8, hidden 64
     ("llama-mha", 6, 3, 1, 1),  # 6 heads over 4 ranks: 2, 2, 1, 1; hidden 48
+    ("llama-bias", 4, 1, 2, 1),  # biases on q, k, v and o: the output's added by the first rank only
 ])
 def test_a_decoding_step_reads_the_rank_rows_of_the_attention_weights(fake_group, name, kv_heads, rank, heads_read,
                                                                         kv_read):
@@ -234,6 +241,7 @@ def generated_equal_to_eager(rank, world_size):
 
 @pytest.mark.parametrize("name, world_size, kv_heads, prompt", [
     pytest.param("llama", 2, 2, 64, id="llama-P2"),
+    pytest.param("llama-bias", 2, 2, 64, id="llama-attention-bias-P2"),
     pytest.param("llama", 4, 4, 1024, id="llama-P4-1024", marks=pytest.mark.slow),
     pytest.param("qwen3", 2, 2, 1024, id="qwen3-P2-1024", marks=pytest.mark.slow),
     pytest.param("qwen3", 4, 4, 1024, id="qwen3-P4-1024", marks=pytest.mark.slow),

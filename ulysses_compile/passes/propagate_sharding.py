@@ -30,9 +30,10 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.errors import UnsupportedError
-from ulysses_compile.core.fx_graph import ancestors, method_or_function_args, mutated_arg
+from ulysses_compile.core.fx_graph import ancestors, insert_part, method_or_function_args, mutated_arg
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.report import Fallback, module_path
+from ulysses_compile.core.runtime import owned_by
 from ulysses_compile.core.sharding import (
     REPLICATE,
     PARTIAL,
@@ -273,8 +274,7 @@ def _projection_on_heads(node: fx.Node, found: tuple[bool, int] | None, view: Ru
     """A projection of ``_projections_onto_heads`` on the rank's heads, or None where its input does not
     arrive as that needs: whole, for q, k and v (``linear(x, weight, bias)`` on the rank's rows of the
     weight and bias: the rank's heads of ``[..., heads * head_dim]``); on the rank's heads, for the
-    output's (on its columns of the weight, without a bias, which would be added on every rank: a
-    partial sum)."""
+    output's (on its columns of the weight: a partial sum, its bias in the first rank's part only)."""
     if found is None:
         return None
     makes_heads, head_dim = found
@@ -286,9 +286,23 @@ def _projection_on_heads(node: fx.Node, found: tuple[bool, int] | None, view: Ru
         rows = seq_shard(0, 1, head_dim)
         inputs = {x: REPLICATE, args["weight"]: rows, **({bias: rows} if isinstance(bias, fx.Node) else {})}
         return NodeSharding(seq_shard(value.dim() - 1, 1, head_dim), value, inputs)
-    if view.sharded(x) != (view.value(x).dim() - 1, 1, head_dim) or isinstance(bias, fx.Node):
+    if view.sharded(x) != (view.value(x).dim() - 1, 1, head_dim):
         return None
-    return NodeSharding(PARTIAL, value, {x: view.placement(x), args["weight"]: seq_shard(1, 1, head_dim)})
+    inputs = {x: view.placement(x), args["weight"]: seq_shard(1, 1, head_dim)}
+    if not isinstance(bias, fx.Node):
+        return NodeSharding(PARTIAL, value, inputs)
+    return NodeSharding(PARTIAL, value, {**inputs, bias: REPLICATE}, _bias_added_once)
+
+
+def _bias_added_once(node: fx.Node, sharding: NodeSharding, ctx) -> None:
+    """The output projection's bias in the first rank's partial product only (``owned_by``: zeros on the
+    others, one code on every rank), so the sum over the ranks adds it once."""
+    bias = method_or_function_args(node, ("input", "weight", "bias"))["bias"]
+    owned = insert_part(node, "call_function", owned_by, (bias, ctx.rank_for(node.graph), 0))
+    place(owned, NodeSharding(PARTIAL, sharding_of(bias).global_value, {bias: REPLICATE}))
+    node.replace_input_with(bias, owned)
+    inputs = {arg: placement for arg, placement in sharding.inputs.items() if arg is not bias}
+    place(node, NodeSharding(sharding.output, sharding.global_value, {**inputs, owned: PARTIAL}))
 
 
 def _heads_if_matching(arg: fx.Node, by_heads: Shard, value):
