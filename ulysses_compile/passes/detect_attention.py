@@ -59,9 +59,10 @@ def detect_attention(gm: fx.GraphModule, ctx) -> Detection:
                 rejected.append(f"{module_path(node) or node.name}: {site}")
                 log.debug("ulysses_compile: not attention at %s: %s", node.name, site)
             continue
-        if _reads_cache_heads(site, ctx) and _decodes(site, ctx):  # no length is split: no guard on its class
+        over_cache = _reads_cache_heads(site, ctx)
+        if over_cache and _decodes(site, ctx):  # no length is split: no guard on its class
             site = _on_cache_heads(site, ctx.world_size)
-        elif _reads_cache_heads(site, ctx):
+        elif over_cache:
             pin_length_class(site.seq_len, ctx.world_size)
             site = _over_cache_heads(site, ctx.world_size)
         else:
@@ -120,7 +121,7 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
             [f"{node} ranks per node"] if node < world_size else [])
         why = f"the largest group that splits {' and fits '.join(limits)}"
     ring = world_size // ulysses
-    heads = ",".join(str(size) for size in block_sizes(site.heads, ulysses))
+    heads = _heads_per_rank(site, ulysses)
     plan = f"a ring over {ring} ranks (heads per rank {heads})" if ulysses == 1 else \
         f"Ulysses over {ulysses} ranks (heads per rank {heads}) x ring over {ring} ranks"
     return replace(site.form.as_ring_site(site), ulysses=ulysses, ring=ring,
@@ -128,7 +129,7 @@ def _planned(site: AttentionSite, ctx) -> AttentionSite:
 
 
 def _on_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
-    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    heads = _heads_per_rank(site, world_size)
     new = f"{site.seq_len} new position" + ("s" if site.seq_len != 1 else "")
     return replace(site, ulysses=world_size, on_cache_heads=True, decision=(
         f"parallelized on the rank's heads of its key/value cache (heads per rank {heads}; {new}, fewer than "
@@ -141,7 +142,7 @@ def _decodes(site: AttentionSite, ctx) -> bool:
 
 
 def _over_cache_heads(site: AttentionSite, world_size: int) -> AttentionSite:
-    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    heads = _heads_per_rank(site, world_size)
     return replace(site, ulysses=world_size, kv_on_cache_heads=True, decision=(
         f"parallelized: heads per rank {heads}, the query by all-to-all, keys and values on the rank's heads "
         f"of its key/value cache (the new positions' joined to them by all-to-all)"))
@@ -171,9 +172,13 @@ def _ring_sizes(site: AttentionSite, world_size: int) -> str:
 
 
 def _decision(site: AttentionSite, world_size: int) -> str:
-    heads = ",".join(str(size) for size in block_sizes(site.heads, world_size))
+    heads = _heads_per_rank(site, world_size)
     kv = "by all-to-all" if site.kv_by_all_to_all(world_size) else "gathered per query head"
     return f"parallelized: heads per rank {heads}, key/value {kv}{_checkpointed(site)}"
+
+
+def _heads_per_rank(site: AttentionSite, ranks: int) -> str:
+    return ",".join(str(size) for size in block_sizes(site.heads, ranks))
 
 
 def _checkpointed(site: AttentionSite) -> str:

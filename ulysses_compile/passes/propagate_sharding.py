@@ -249,7 +249,7 @@ def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[bool, int]
     apart, their rules say so and the value is converted as any other."""
     found = {}
 
-    def nearest(start, step, rows: int, dim: int, makes_heads: bool) -> None:
+    def nearest(start, step, rows: int, dim: int, makes_heads: bool, head_dim: int) -> None:
         stack, seen = [start], set()
         while stack:
             node = stack.pop()
@@ -259,14 +259,15 @@ def _projections_onto_heads(sites, parameters) -> dict[fx.Node, tuple[bool, int]
             if node.op == "call_function" and node.target in LINEAR:
                 weight = method_or_function_args(node, ("input", "weight"))["weight"]
                 if weight in parameters and weight.meta["example_value"].shape[dim] == rows:
-                    found[node] = (makes_heads, site.head_dim)
+                    found[node] = (makes_heads, head_dim)
                 continue
             stack.extend(step(node))
 
     for site in sites:
         for role, heads in (("query", site.heads), ("key", site.kv_heads), ("value", site.kv_heads)):
-            nearest(site.entering(role), lambda node: node.all_input_nodes, heads * site.head_dim, 0, True)
-        nearest(site.node, lambda node: node.users, site.heads * site.head_dim, 1, False)
+            nearest(site.entering(role), lambda node: node.all_input_nodes, heads * site.head_dim, 0, True,
+                    site.head_dim)
+        nearest(site.node, lambda node: node.users, site.heads * site.head_dim, 1, False, site.head_dim)
     return found
 
 
