@@ -14,7 +14,8 @@ from multirank import compare_model, run_ranks
 from sequence_models import break_around, graph_break_gpt, sequence_first
 from graphs import calls, rewritten_graphs
 from ulysses_compile import RankMismatchError
-from ulysses_compile.core.collectives import average_grad, heads_to_seq, scatter_seq, seq_to_heads, seq_to_heads_qkv
+from ulysses_compile.core.collectives import (average_grad, heads_to_seq, reblock_seq, scatter_seq, seq_to_heads,
+                                              seq_to_heads_qkv)
 
 
 def test_sequence_first_layout_is_split_on_dim_zero(fake_group):
@@ -92,6 +93,22 @@ class RowsPerPosition(torch.nn.Module):
         b, s, d = x.shape
         x = x + self.attend(x, self.qkv)
         return self.attend(self.widen(x).reshape(b, 2 * s, d), self.rows_qkv)
+
+
+def test_rows_of_another_block_size_move_between_neighbours_and_both_attentions_stay_parallel(fake_group):
+    """The structure behind the "two rows per position" case (rank 0 of 4): both attentions parallelized
+    (q, k and v to heads in one all-to-all each, the output back), and q, k and v of the second regrouped
+    from the positions' blocks (14 rows here) into the attention's (13) between neighbours, not gathered."""
+    fake_group(4, 0)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(RowsPerPosition(), (torch.randn(2, 25, 16),))
+    report = gm.meta["ulysses_report"]
+    kinds = [call.kind for call in report.collectives]
+    assert len(report.attention_sites) == 2 and all("parallelized" in site.decision for site in report.attention_sites)
+    assert kinds.count("seq_to_heads_qkv") == kinds.count("heads_to_seq") == 2, kinds
+    assert kinds.count("reblock_seq") == 3 and "gather_seq" not in kinds and not report.fallbacks, kinds
+    held = [node.kwargs["held"][0] for node in gm.graph.nodes if node.target is reblock_seq]
+    assert held == [(0, 14)] * 3, held
 
 
 def _case(name: str) -> tuple:
