@@ -44,6 +44,8 @@ EXPECTED = {
 }
 # per site: (seq_to_heads_qkv, seq_to_heads, gather_kv_heads) calls
 CALLS_PER_SITE = {"one": (1, 0, 0), "each": (0, 3, 0), "gathered": (0, 1, 2)}
+# forms whose other ops run on the rank's heads too, not gathered: the all-to-alls there and back
+OFF_SEQUENCE = {"not_attention_softmax_over_queries": 2}
 
 
 def test_every_form_has_an_expectation():
@@ -60,10 +62,13 @@ def test_form_is_found_at_four_ranks(fake_group, name):
     assert [site.spelling for site in sites] == forms
     gm = graphs[0]
     counted = [len(calls(gm, fn)) for fn in (seq_to_heads_qkv, seq_to_heads, gather_kv_heads)]
-    assert counted == [len(sites) * count for count in CALLS_PER_SITE[how]], counted
+    expected = [len(sites) * count for count in CALLS_PER_SITE[how]]
+    expected[1] += OFF_SEQUENCE.get(name, 0)
+    assert counted == expected, counted
     assert len(calls(gm, heads_to_seq)) == len(sites)
-    fallbacks = gm.meta["ulysses_report"].fallbacks
-    assert fallbacks == [] or name in ("not_attention_softmax_over_queries", "sdpa_without_head_dim"), fallbacks
+    report = gm.meta["ulysses_report"]
+    assert report.fallbacks == [] or name == "sdpa_without_head_dim", report.fallbacks
+    assert bool(report.off_sequence) == (name in OFF_SEQUENCE), report.off_sequence
 
 
 def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
@@ -72,6 +77,9 @@ def test_softmax_over_queries_is_rejected_with_the_reason(fake_group):
     (gm,) = rewritten_graphs(model, args, kwargs)
     (rejected,) = gm.meta["ulysses_report"].rejected_attention
     assert rejected.startswith("mixing") and "softmax runs over dim -2, not over the key positions" in rejected
+    # the mixing layer still runs split: on the rank's heads, whole along the sequence
+    (moved,) = gm.meta["ulysses_report"].off_sequence
+    assert moved == "the model: h [2, 4, 32, 8] to dim 1, transpose_1 [2, 4, 8, 32] to dim 1", moved
 
 
 def test_a_key_already_transposed_by_its_layout_is_rejected_with_the_reason(fake_group):

@@ -195,15 +195,6 @@ class ConvolutionLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
 
 
-def tiny_mamba2():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1,
-        state_size=8, chunk_size=16, conv_kernel=4))
-
-
 def without_attention_equal_to_eager(rank, world_size):
     torch.manual_seed(0)
     model = ConvolutionLM()
@@ -221,29 +212,12 @@ def without_attention_equal_to_eager(rank, world_size):
     want[0].backward()
     compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
 
-    model = tiny_mamba2()
-    reference = copy.deepcopy(model)
-    ids, labels = token_batch(seq=24)
-    ids, labels = ids % 96, labels.clamp(min=0) % 96
-    reports = []
-    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
-    want = reference(input_ids=ids, labels=labels, use_cache=False)
-    (report,) = reports
-    kinds = [call.kind for call in report.collectives]
-    # the convolutions on the rank's blocks; the chunked scan still runs on the gathered sequence (reported)
-    assert not report.replicated and report.convolutions == ["backbone.layers.0.mixer", "backbone.layers.1.mixer"]
-    assert kinds.count("rows_before") == 2 and report.fallbacks, str(report)
-    got.loss.backward()
-    want.loss.backward()
-    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
-
 
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_a_model_without_attention_runs_its_convolutions_on_the_rank_blocks():
-    """A plain-PyTorch model of gated convolutions (nothing gathered) and transformers' Mamba 2 (its
-    convolutions on the rank's blocks, its scan gathered) at P = 2: split, not replicated, and equal to
-    eager."""
+    """A plain-PyTorch model of gated convolutions at P = 2: split, not replicated, nothing gathered,
+    and equal to eager (Mamba 2, convolutions and scans: test_state_space_layers.py)."""
     run_ranks(without_attention_equal_to_eager, 2)
 
 

@@ -70,7 +70,7 @@ def ulysses(gm: fx.GraphModule, example_inputs, options: dict | None = None, mod
         compiled = verified(compiled, original, gm, ctx)
     compiled = leave_sharded(compiled, report.sharded_outputs, report.computed_outputs, opts, group, graph_name,
                              program_digest(expected))
-    sites = 0 if report.replicated else len(report.attention_sites) + len(report.convolutions)
+    sites = 0 if report.replicated else len(report.attention_sites) + len(report.convolutions) + len(report.off_sequence)
     state = _module_state(gm, ctx) if group.size() > 1 else []
     return counted(guarded(compiled, expected, group, ctx.rank, graph_name, check, state, opts.sync_module_states),
                    sites, ctx.world_size)

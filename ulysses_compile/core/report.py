@@ -63,6 +63,9 @@ class GraphReport:
     fallbacks: list[Fallback] = field(default_factory=list)
     # causal convolutions run on the rank's block (module paths), with the rows before it
     convolutions: list[str] = field(default_factory=list)
+    # regions whose ops run on another dim than the sequence (a chunked scan on the rank's heads): "module:
+    # the values that went there by all-to-all"
+    off_sequence: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user should know
     replicated_draws: list[str] = field(default_factory=list)  # random draws read whole: the ranks' generators must agree
     collectives: list[Collective] = field(default_factory=list)
@@ -86,6 +89,8 @@ class GraphReport:
         if self.convolutions:
             lines.append(f"causal convolutions on the rank's block, with the rows before it: {len(self.convolutions)} "
                          f"({', '.join(self.convolutions[:3])}{' ...' if len(self.convolutions) > 3 else ''})")
+        lines += [f"on the rank's part of another dim, whole along the sequence (by all-to-all): {line}"
+                  for line in self.off_sequence]
         counts: dict[str, int] = {}
         for c in self.collectives:
             counts[c.kind] = counts.get(c.kind, 0) + 1
@@ -182,6 +187,10 @@ class Report:
                   if graph.replicated]
         lines += [f"  graph {i} sequence layout: {graph.sequence_layout}" for i, graph in enumerate(self.graphs)
                   if graph.sequence_layout]
+        lines += [f"  graph {i} causal convolution on the rank's block, with the rows before it: {module}"
+                  for i, graph in enumerate(self.graphs) for module in graph.convolutions]
+        lines += [f"  graph {i} on the rank's part of another dim, whole along the sequence: {line}"
+                  for i, graph in enumerate(self.graphs) for line in graph.off_sequence]
         lines.append(f"\nattention sites: {len(self.attention_sites)}")
         lines += [f"  {site}" for site in self.attention_sites]
         lines += [f"  not parallelized: {reason}" for reason in self.rejected_attention]

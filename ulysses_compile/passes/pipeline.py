@@ -139,7 +139,8 @@ def _sized_by_data(report: GraphReport, error: Exception) -> GraphReport:
 
 def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], report: GraphReport) -> list[str]:
     """Run the passes that split the graph, filling ``report``; returns the notes on how it split."""
-    report.fallbacks = _run(report, propagate_sharding, gm, ctx, sites)
+    propagation = _run(report, propagate_sharding, gm, ctx, sites)
+    report.fallbacks, report.off_sequence = propagation.fallbacks, propagation.off_sequence
     notes = [_projections_on_heads(gm)] if any(site.on_cache_heads for site in sites) else []
     report.convolutions = [module_path(conv) or conv.name for conv in causal_convolutions(gm.graph)
                            if is_sharded(sharding_of(conv).output)]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.compat import symbolic_hint
 from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.core.fx_graph import ancestors, insert_part, method_or_function_args, mutated_arg
 from ulysses_compile.core.ops import spellings
@@ -53,7 +54,7 @@ from ulysses_compile.core.sharding import (
     sort_orders,
     with_dim,
 )
-from ulysses_compile.core.sizes import same_size
+from ulysses_compile.core.sizes import is_symbolic, same_size
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
 from ulysses_compile.passes.recognize_causal_convolution import causal_convolutions
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
@@ -63,15 +64,37 @@ from ulysses_compile.passes.sequence_dims import sequence_dims
 LINEAR = spellings("linear")
 
 
-def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
-    """Place every node; returns the nodes computed on gathered inputs.
+@dataclass
+class Propagation:
+    fallbacks: list[Fallback]  # the nodes computed on gathered inputs
+    off_sequence: list[str]  # "module: what went to another dim" for each region moved off the sequence
+
+
+def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> Propagation:
+    """Place every node; returns the nodes computed on gathered inputs and the regions moved off the
+    sequence.
+
+    Where ops that run whole on gathered sequences meet (a state-space scan over the sequence), they
+    may all keep another dim apart instead (``_moves_off_the_sequence``): their inputs then go there
+    by all-to-all, as an attention's q, k and v go to the heads, and the first op that needs the
+    sequence again takes its value back to it the same way. Ranks decide alike: placements depend on
+    global shapes and P, not on the rank."""
+    settled = _settle(gm, ctx, sites, {})
+    moves = _moves_off_the_sequence(gm, ctx, sites, settled)
+    if not moves:
+        return Propagation(settled.fallbacks, [])
+    return Propagation(_settle(gm, ctx, sites, moves).fallbacks, _describe_moves(moves))
+
+
+def _settle(gm: fx.GraphModule, ctx, sites: list, moves: dict) -> "_Placed":
+    """Place every node, with the inputs ``moves`` names moved off the sequence; returns the placement
+    that needs no further revisit.
 
     A view taken by an op with no sharded form views a gathered copy, which misses writes made to its
     base after the view (and takes writes made through it); a position read (a rank's part of a
     reduction) takes writes made through it on the reduced copy. Where that happens, the written value
     is placed whole from where it is made, so its views are real views; placing it whole can change
-    other placements, so this repeats until no new value is found. Ranks decide alike: placements
-    depend on global shapes and P, not on the rank."""
+    other placements, so this repeats until no new value is found."""
     bases = alias_bases(gm.graph)
     written = written_bases(gm.graph, bases)
     writes = [(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)]
@@ -80,7 +103,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
     whole: dict[fx.Node, str] = {}  # value kept whole -> why
     refused: dict[str, str] = {}  # a local sort whose rows are not put back in order -> the reader
     while True:
-        placed = _place_all(gm, ctx, sites, bases, written, whole, refused)
+        placed = _place_all(gm, ctx, sites, bases, written, whole, refused, moves)
         found = {}
         for view in placed.copies:  # a view of a gathered copy: stale after a later write to its base
             if bases[view] not in whole and any(order[writer] > order[view] and bases[target] is bases[view]
@@ -105,7 +128,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> list[Fallback]:
             refused.setdefault(sort, f"{reader.name} ({_op(reader)}) reads its rows before they are put back in "
                                      f"token order, so the sort runs on the whole sequence")
         if not (found or placed.whole_writes or placed.stranded):
-            return placed.fallbacks
+            return placed
 
 
 def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
@@ -123,9 +146,10 @@ class _Placed:
     # a written value's base -> the write that cannot stay sharded, and the error if the base cannot be made whole
     whole_writes: dict[fx.Node, tuple[fx.Node, str]] = field(default_factory=dict)
     stranded: dict[str, fx.Node] = field(default_factory=dict)  # local sort -> a node reading its rows unordered
+    gathered: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (a fallback, a rank-local input it gathers)
 
 
-def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
+def _place_all(gm, ctx, sites, bases, written, whole, refused, moves) -> _Placed:
     """Place every node; returns what propagation must revisit."""
     mixed = _mixed_inputs(gm.graph, sites)
     feeds_mixers = ancestors(node for node, _ in mixed)
@@ -172,8 +196,10 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused) -> _Placed:
             place(node, NodeSharding(by_heads, value, inputs))
         else:
             sharding, fallback, copies = _decide(node, value, view, ctx, node in starts, node in site_nodes,
-                                                 seq_dims, seq_lengths, refused.get(node.name))
+                                                 seq_dims, seq_lengths, refused.get(node.name), moves.get(node))
             placed.fallbacks += [fallback] if fallback is not None else []
+            if fallback is not None:
+                placed.gathered += [(node, arg) for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
             if may_alias(node) and (fallback is not None or copies):
                 placed.copies.append(node)
             elif may_alias(node) and isinstance(sharding.output, Partial):
@@ -331,8 +357,8 @@ def _replicated_like(value):
     return None
 
 
-def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is_site: bool,
-            seq_dims: dict, seq_lengths: list, refused: str | None) -> tuple[NodeSharding, Fallback | None, bool]:
+def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is_site: bool, seq_dims: dict,
+            seq_lengths: list, refused: str | None, moved: dict | None) -> tuple[NodeSharding, Fallback | None, bool]:
     tensor_args = view.tensor_args(node)
     placements = [view.placement(arg) for arg in tensor_args]
     if any(is_permuted(p) for p in placements):
@@ -360,6 +386,8 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
             if starts_sharding and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None, False
     decision = rule(node, view) if rule else None
+    if decision is None and rule:
+        decision = _moved_decision(node, view, rule, moved, seq_lengths)
     fallback = None
     if decision is None:
         reason = refused or ("no sharding rule for this op" if rule_for(node) is None
@@ -372,6 +400,125 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
             sharding = NodeSharding(_replicated_like(value), value, replicate_all(view, node))
             fallback = _fallback_report(node, view, "it writes in place into a whole tensor, which stays whole")
     return sharding, fallback, decision is not None and fallback is None and decision.copies
+
+
+def _moved_decision(node: fx.Node, view: RuleView, rule, moved: dict | None, seq_lengths: list):
+    """The rule's answer with inputs taken off the sequence to another dim (``moved``, as
+    ``_moves_off_the_sequence`` chose), or else, for inputs held along another dim, taken back to the
+    sequence; None if neither has one."""
+    if moved:
+        decision = rule(node, view.overridden(moved))
+        if decision is not None:
+            return decision
+    back = {}
+    for arg in view.tensor_args(node):
+        factors = view.sharded(arg)
+        dim = _sequence_dim(view.value(arg), seq_lengths)
+        if factors is not None and dim is not None and factors[:2] == (factors[0], 1) and factors[0] != dim \
+                and view.value(arg).shape[dim] >= view.world_size:
+            back[arg] = Shard(dim)
+    return rule(node, view.overridden(back)) if back else None
+
+
+def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Placed) -> dict:
+    """Ops that run whole on gathered sequences, grouped where their whole results meet (a region:
+    the chunked scan of a state-space layer, each of its inputs gathered): the inputs a region gathers
+    taken instead to a dim of one size that each of them has (the scan's heads), where the graph then
+    communicates fewer elements (``_communicated``); node -> {input: placement}. Each size, the largest first, is
+    tried in every region that has it and no dim yet (a model's layers alike: one try for all) by
+    placing the graph again: the rules decide which dims the ops keep apart."""
+    moves: dict[fx.Node, dict] = {}
+    best = _communicated(gm.graph, ctx.world_size)
+    regions = [(region, _shared_sizes(region, ctx.world_size)) for region in _gathering_regions(gm.graph, settled.gathered)]
+    moved: set[int] = set()
+    for size in sorted({size for _, sizes in regions for size in sizes}, reverse=True):
+        taking = [index for index, (_, sizes) in enumerate(regions) if index not in moved and size in sizes]
+        trial = dict(moves)
+        for node, arg in (pair for index in taking for pair in regions[index][0]):
+            placement = sharding_of(arg).output
+            dim = next(d for d, length in enumerate(arg.meta["example_value"].shape)
+                       if length == size and d != placement.dim)
+            trial[node] = {**trial.get(node, {}), arg: Shard(dim)}
+        _settle(gm, ctx, sites, trial)
+        cost = _communicated(gm.graph, ctx.world_size)
+        if cost < best:
+            best, moves = cost, trial
+            moved.update(taking)
+    return moves
+
+
+def _describe_moves(moves: dict) -> list[str]:
+    """Each module whose values went off the sequence (its ops called at the model's top level: "the
+    model"), and to which dims."""
+    moved: dict[str, dict] = {}
+    for node, inputs in moves.items():
+        for arg, placement in inputs.items():
+            shape = list(arg.meta["example_value"].shape)
+            moved.setdefault(module_path(node) or "the model", {})[arg.name] = f"{arg.name} {shape} to dim {placement.dim}"
+    return [f"{module}: {', '.join(values.values())}" for module, values in moved.items()]
+
+
+def _communicated(graph: fx.Graph, world_size: int) -> float:
+    """The elements a rank receives in the conversions the graph's placements ask for, about: a
+    gather the whole value, an all-reduce of a partial sum twice that, an all-to-all 1/P of it."""
+    total, seen = 0.0, set()
+    for node in graph.nodes:
+        sharding = sharding_of(node)
+        if sharding is None:
+            continue
+        for arg in node.all_input_nodes:
+            have = sharding_of(arg).output if sharding_of(arg) is not None else None
+            want = sharding.inputs.get(arg, REPLICATE)
+            value = arg.meta.get("example_value")
+            if isinstance(have, tuple) or not isinstance(value, torch.Tensor) or (arg, want) in seen:
+                continue
+            seen.add((arg, want))
+            elements = value.numel() if not is_symbolic(value.numel()) else symbolic_hint(value.numel()) or 0
+            if completed(have) != have:
+                total += 2 * elements
+                have = completed(have)
+            if is_rank_local(have) and have != want:
+                total += elements / world_size if is_rank_local(want) else elements
+    return total
+
+
+def _gathering_regions(graph: fx.Graph, gathered: list) -> list[list[tuple[fx.Node, fx.Node]]]:
+    """The (fallback, gathered input) pairs grouped by region: fallbacks joined by the values computed
+    whole from them."""
+    fallbacks = {node for node, _ in gathered}
+    root: dict[fx.Node, fx.Node] = {}
+
+    def find(node):
+        while root[node] is not node:
+            node = root[node]
+        return node
+
+    for node in graph.nodes:
+        joined = [find(arg) for arg in node.all_input_nodes if arg in root]
+        sharding = sharding_of(node)
+        if node in fallbacks or joined and sharding is not None and not is_rank_local(sharding.output):
+            root[node] = joined[0] if joined else node
+            for other in joined[1:]:
+                root[other] = root[node]
+    regions: dict[fx.Node, list] = {}
+    for node, arg in gathered:
+        regions.setdefault(find(node), []).append((node, arg))
+    return list(regions.values())
+
+
+def _shared_sizes(region: list, world_size: int) -> list[int]:
+    """The sizes, largest first, of a dim that every gathered input of the region has besides its
+    sequence (each input held whole along it, as a plain block of the sequence)."""
+    shared = None
+    for _, arg in region:
+        placement = sharding_of(arg).output
+        if not isinstance(placement, Shard):
+            return []
+        shape = arg.meta["example_value"].shape
+        sizes = {int(length) for d, length in enumerate(shape)
+                 if d != placement.dim and not is_symbolic(length) and length >= world_size}
+        shared = sizes if shared is None else shared & sizes
+    return sorted(shared or (), reverse=True)
 
 
 def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -> bool:

@@ -56,6 +56,7 @@ from ulysses_compile.core.sharding import (
     NodeSharding,
     Partial,
     PartialScan,
+    MergedShard,
     Replicate,
     Shard,
     block_sizes,
@@ -127,11 +128,13 @@ class _Redistributor:
             raise InternalError(f"{node.name} is {have} and was asked for as {want}: rows in a rank's own order "
                                 f"have no conversion (propagate_sharding gathers their sort's input instead)")
         if self._all_to_all_ok(node, have, want):
-            # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it.
-            length = sharding_of(node).global_value.shape[have.dim]
+            # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it;
+            # from a dim that holds the split dim with another merged after it ([B, S, H*D] over H), the same.
+            dim, _, inner = seq_factors(have)
+            length = sharding_of(node).global_value.shape[dim] // inner
             rank = ctx.rank_for(node.graph, length, sharding_of(node).global_value.shape[want.dim])
-            return self._insert(seq_to_heads, (node, have.dim, want.dim, length, rank, ctx.world_size,
-                                               ctx.group_name), node, want, before)
+            return self._insert(seq_to_heads, (node, dim, want.dim, length, rank, ctx.world_size, ctx.group_name,
+                                               *((1, inner) if inner != 1 else ())), node, want, before)
         if seq_factors(have) is not None:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
@@ -148,12 +151,14 @@ class _Redistributor:
                                           *ctx.layout_args()), node, want, before)
 
     def _all_to_all_ok(self, node, have, want) -> bool:
-        """Whether one all-to-all converts: between two sharded dims, the sequence in contiguous blocks
-        (an all-to-all would give the whole sequence in the head-tail layout's order)."""
+        """Whether one all-to-all converts: between two sharded dims (the held one possibly merged with
+        dims after it), the sequence in contiguous blocks (an all-to-all would give the whole sequence in
+        the head-tail layout's order)."""
         value = sharding_of(node).global_value
         return (
             not self.ctx.head_tail
-            and isinstance(have, Shard)
+            and (isinstance(have, Shard) or isinstance(have, MergedShard) and have.outer == 1
+                 and not is_symbolic(have.inner) and have.dim != want.dim)
             and isinstance(want, Shard)
             and isinstance(value, torch.Tensor)
             and value.shape[want.dim] >= self.ctx.world_size

@@ -279,12 +279,13 @@ def repeat_interleave_rule(node, view):
     source = node.args[0] if node.args else node.kwargs["input"]
     factors = view.sharded(source)
     args = method_or_function_args(node, ("input", "repeats", "dim"))
-    if factors is None or not isinstance(args.get("repeats"), int) or args.get("dim") is None \
-            or "output_size" in node.kwargs:
+    if factors is None or not isinstance(args.get("repeats"), int) or args.get("dim") is None:
         return None
     value = view.value(source)
     if normalize_dim(args["dim"], value.dim()) != factors[0]:
         return _dim_map_rule(_repeat_interleave)(node, view)
+    if "output_size" in node.kwargs:
+        return None
     dim, outer, inner = factors
     return Decision(seq_shard(dim, outer, inner * args["repeats"]), {source: view.placement(source)})
 
@@ -514,6 +515,20 @@ def _split_dim(node):
     return method_or_function_args(node, names, {"dim": 0})["dim"]
 
 
+def _split_at_the_ends(node, view, dim: int) -> Decision | None:
+    """``torch.tensor_split(x, [S], dim=1)`` with S the sequence's whole length (transformers' Mamba 2
+    keeping its last positions for a step-by-step scan, none in training): one part is the sequence,
+    held as it is, the others empty, on every rank; the local call cuts the rank's block the same way."""
+    source = node.args[0]
+    cuts = method_or_function_args(node, ("input", "sections", "dim"))["sections"]
+    length = view.value(source).shape[dim]
+    if node.target not in (torch.tensor_split, "tensor_split") or not isinstance(cuts, (list, tuple)) or any(
+            not (same_size(view.value(cut), 0) or same_size(view.value(cut), length)) for cut in cuts):
+        return None
+    placement = view.placement(source)
+    return Decision(tuple(placement if part.shape[dim] else REPLICATE for part in view.value(node)), {source: placement})
+
+
 @register(*SPLITS, *UNBINDS)
 def split_rule(node, view):
     source = node.args[0]
@@ -523,7 +538,7 @@ def split_rule(node, view):
         return None
     dim = normalize_dim(_split_dim(node), view.value(source).dim())
     if dim == factors[0]:
-        return None
+        return _split_at_the_ends(node, view, dim)
     placement = view.placement(source)
     if node.target in ("unbind", torch.unbind):
         placement = with_dim(placement, factors[0] - (1 if dim < factors[0] else 0))

@@ -1,0 +1,165 @@
+"""State-space layers on the rank's heads: a chunked scan (Mamba 2's SSD) runs over the whole sequence
+with nothing to split along it, so its inputs go to the rank's heads by all-to-all, as an attention's
+q, k and v do, the scan runs unchanged on them, and its output comes back to the rank's block of the
+sequence the same way; loss, logits and every gradient equal eager's. Found from the graph: the ops
+that would run whole meet in one region, whose inputs share a dim (the heads) the rules keep apart to
+its end."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphs import reporting_backend, rewritten_graphs
+from models import token_batch
+from multirank import compare_model, run_ranks
+
+
+def tiny_mamba2():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1,
+        state_size=8, chunk_size=16, conv_kernel=4))
+
+
+def segment_sum(x):
+    """Sums of ``x`` over every span (i, j], -inf above the diagonal: the decays inside a chunk."""
+    length = x.shape[-1]
+    x = x[..., None].expand(*x.shape, length)
+    x = x.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool), diagonal=-1), 0)
+    summed = torch.cumsum(x, dim=-2)
+    return summed.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool)), -torch.inf)
+
+
+def chunked_scan(x, a, b, c, chunk: int):
+    """The SSD scan in chunks as the Mamba 2 paper's minimal code writes it: x [B, S, H, P], a [B, S, H],
+    b and c [B, S, H, N]."""
+    batch, seq, heads, _ = x.shape
+    x, a, b, c = (t.reshape(batch, seq // chunk, chunk, *t.shape[2:]) for t in (x, a, b, c))
+    a = a.permute(0, 3, 1, 2)  # [B, H, chunks, chunk]
+    a_cumsum = torch.cumsum(a, dim=-1)
+    decay = torch.exp(segment_sum(a))
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", c, b, decay, x)
+    decay_states = torch.exp(a_cumsum[:, :, :, -1:] - a_cumsum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", b, decay_states, x)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    decay_chunk = torch.exp(segment_sum(F.pad(a_cumsum[:, :, :, -1], (1, 0))))
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)[:, :-1]
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states, torch.exp(a_cumsum))
+    return (y_diag + y_off).reshape(batch, seq, heads, -1)
+
+
+class ScanLayer(nn.Module):
+    """Mamba 2's mixer as minimal implementations write it: a projection, a short causal convolution
+    over x, B and C, the chunked scan with a skip, a gated norm, a projection."""
+
+    def __init__(self, dim: int, heads: int, state: int, chunk: int, kernel: int = 4):
+        super().__init__()
+        self.heads, self.state, self.chunk = heads, state, chunk
+        self.in_proj = nn.Linear(dim, 2 * dim + 2 * heads * state + heads)
+        channels = dim + 2 * heads * state
+        self.conv = nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)
+        self.a_log = nn.Parameter(torch.linspace(0.0, 1.0, heads))
+        self.dt_bias = nn.Parameter(torch.zeros(heads))
+        self.skip = nn.Parameter(torch.ones(heads))
+        self.norm = nn.RMSNorm(dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, u):  # [B, S, D]
+        batch, seq, dim = u.shape
+        gate, xbc, dt = self.in_proj(u).split([dim, dim + 2 * self.heads * self.state, self.heads], dim=-1)
+        xbc = F.silu(self.conv(xbc.transpose(1, 2))[..., :seq].transpose(1, 2))
+        x, b, c = xbc.split([dim, self.heads * self.state, self.heads * self.state], dim=-1)
+        x = x.view(batch, seq, self.heads, -1)
+        b, c = (t.view(batch, seq, self.heads, self.state) for t in (b, c))
+        dt = F.softplus(dt + self.dt_bias)
+        y = chunked_scan(x * dt[..., None], -torch.exp(self.a_log) * dt, b, c, self.chunk)
+        y = y + self.skip[:, None] * x
+        return self.out_proj(self.norm(y.reshape(batch, seq, dim) * F.silu(gate)))
+
+
+class ScanLM(nn.Module):
+    """Plain PyTorch: an embedding, two Mamba 2 layers with residuals, an LM head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, heads: int = 4, state: int = 8, chunk: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(ScanLayer(dim, heads, state, chunk) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, targets):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def _assert_scans_on_heads(report, layers: int):
+    """Nothing gathered: each layer's scan reads its inputs on the rank's heads (all-to-alls), and its
+    output goes back to the rank's block."""
+    kinds = [call.kind for call in report.collectives]
+    assert not report.replicated and not report.fallbacks, str(report)
+    assert "gather_seq" not in kinds and kinds.count("seq_to_heads") >= 2 * layers, kinds
+
+
+def scans_equal_to_eager(rank, world_size, seq):
+    model = tiny_mamba2()
+    reference = copy.deepcopy(model)
+    ids, labels = token_batch(seq=seq)
+    ids, labels = ids % 96, labels.clamp(min=0) % 96
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    (report,) = reports
+    _assert_scans_on_heads(report, 2)
+    assert report.convolutions == ["backbone.layers.0.mixer", "backbone.layers.1.mixer"], str(report)
+    got.loss.backward()
+    want.loss.backward()
+    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+    torch.manual_seed(0)
+    model = ScanLM()
+    reference = copy.deepcopy(model)
+    ids, targets = token_batch(seq=seq)
+    ids, targets = ids % 96, targets.clamp(min=0) % 96
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
+    want = reference(ids, targets)
+    (report,) = reports
+    _assert_scans_on_heads(report, 2)
+    got[0].backward()
+    want[0].backward()
+    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, seq", [
+    pytest.param(2, 32, id="P2"),
+    pytest.param(4, 32, id="P4", marks=pytest.mark.slow),
+])
+def test_chunked_scans_run_on_the_rank_heads_equal_to_eager(world_size, seq):
+    """transformers' Mamba 2 (4 heads, chunks of 16) and a hand-written chunked-scan LM (the paper's
+    minimal SSD, chunks of 8) at P = 2 and 4."""
+    run_ranks(scans_equal_to_eager, world_size, seq)
+
+
+def test_the_scan_reads_the_rank_heads_of_each_input(fake_group):
+    """One process at P = 4 (rank 1): the four inputs of each layer's scan (x and the time step's decay,
+    [1, S, H, P] and [1, S, H], B and C) leave the rank's block of 8 positions for its one head of four,
+    and the scan's output comes back: five all-to-alls a layer, the fewest its values allow."""
+    fake_group(4, 1)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (1, 32))
+    (gm,) = rewritten_graphs(ScanLM(), (ids, ids))
+    _assert_scans_on_heads(gm.meta["ulysses_report"], 2)
+    moves = [(tuple(node.args[0].meta["example_value"].shape), node.kwargs["seq_dim"], node.kwargs["head_dim"])
+             for node in gm.graph.nodes if getattr(node.target, "__name__", "") == "seq_to_heads"]
+    to_heads = [(1, 8, 4, 8), (1, 8, 4, 8), (1, 8, 4, 8), (1, 8, 4)]
+    assert sorted(moves) == sorted(2 * ([(shape, 1, 2) for shape in to_heads] + [((1, 32, 1, 8), 2, 1)])), moves
