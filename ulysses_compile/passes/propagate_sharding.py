@@ -1,4 +1,5 @@
-"""Give every node a placement: sequence sharding flows from the inputs of attention to the outputs.
+"""Give every node a placement: sequence sharding flows from the inputs of attention (and of causal
+convolutions) to the outputs.
 
 Before::
 
@@ -18,6 +19,13 @@ whole) whose inputs are all replicated, the first non-parameter input is offered
 sequence dim (found by walking back from the attention, sequence_dims.py); if the op's rule
 accepts that, the input will be sliced there (free: no communication). From then on rules decide. A node whose rule has
 no sharded answer, or that has no rule, takes its inputs gathered and is recorded as a fallback.
+
+Fallbacks whose whole results meet form a region (a state-space layer's chunked scan). For each size
+of a dim that all the inputs a region gathers have besides the sequence (the scan's heads), the graph
+is placed again with those inputs offered on that dim instead, and the choice is kept where the graph
+then communicates fewer elements: the inputs reach that dim by all-to-all, and an op whose rule refuses
+a value held off the sequence takes it back to the sequence the same way. Sharding may so sit on dims
+other than the sequence.
 
 Pinned on a small model: ``tests/test_pass_goldens.py::test_propagate_sharding``.
 """
@@ -66,6 +74,8 @@ LINEAR = spellings("linear")
 
 @dataclass
 class Propagation:
+    """What placing the graph found."""
+
     fallbacks: list[Fallback]  # the nodes computed on gathered inputs
     off_sequence: list[str]  # "module: what went to another dim" for each region moved off the sequence
 
@@ -79,11 +89,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> Propagation:
     by all-to-all, as an attention's q, k and v go to the heads, and the first op that needs the
     sequence again takes its value back to it the same way. Ranks decide alike: placements depend on
     global shapes and P, not on the rank."""
-    settled = _settle(gm, ctx, sites, {})
-    moves = _moves_off_the_sequence(gm, ctx, sites, settled)
-    if not moves:
-        return Propagation(settled.fallbacks, [])
-    return Propagation(_settle(gm, ctx, sites, moves).fallbacks, _describe_moves(moves))
+    moves, placed = _moves_off_the_sequence(gm, ctx, sites, _settle(gm, ctx, sites, {}))
+    return Propagation(placed.fallbacks, _describe_moves(moves))
 
 
 def _settle(gm: fx.GraphModule, ctx, sites: list, moves: dict) -> "_Placed":
@@ -414,37 +421,52 @@ def _moved_decision(node: fx.Node, view: RuleView, rule, moved: dict | None, seq
     for arg in view.tensor_args(node):
         factors = view.sharded(arg)
         dim = _sequence_dim(view.value(arg), seq_lengths)
-        if factors is not None and dim is not None and factors[:2] == (factors[0], 1) and factors[0] != dim \
-                and view.value(arg).shape[dim] >= view.world_size:
+        if factors is None or dim is None:
+            continue
+        held, outer, _ = factors
+        length = view.value(arg).shape[dim]
+        if outer == 1 and held != dim and (is_symbolic(length) or length >= view.world_size):
             back[arg] = Shard(dim)
     return rule(node, view.overridden(back)) if back else None
 
 
-def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Placed) -> dict:
+def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Placed) -> tuple[dict, _Placed]:
     """Ops that run whole on gathered sequences, grouped where their whole results meet (a region:
     the chunked scan of a state-space layer, each of its inputs gathered): the inputs a region gathers
     taken instead to a dim of one size that each of them has (the scan's heads), where the graph then
     communicates fewer elements (``_communicated``); node -> {input: placement}. Each size, the largest first, is
     tried in every region that has it and no dim yet (a model's layers alike: one try for all) by
-    placing the graph again: the rules decide which dims the ops keep apart."""
+    placing the graph again: the rules decide which dims the ops keep apart. Returns the moves and
+    the placement made with them, which the graph's nodes hold. Not under a ring, whose head-tail
+    layout (chosen after) would make each move a gather."""
+    if any(site.ring != 1 for site in sites):
+        return {}, settled
     moves: dict[fx.Node, dict] = {}
-    best = _communicated(gm.graph, ctx.world_size)
-    regions = [(region, _shared_sizes(region, ctx.world_size)) for region in _gathering_regions(gm.graph, settled.gathered)]
-    moved: set[int] = set()
-    for size in sorted({size for _, sizes in regions for size in sizes}, reverse=True):
-        taking = [index for index, (_, sizes) in enumerate(regions) if index not in moved and size in sizes]
+    best, kept = _communicated(gm.graph, ctx.world_size), (settled, _placements(gm.graph))
+    regions = [_dims_by_size(region, ctx.world_size) for region in _gathering_regions(gm.graph, settled.gathered)]
+    moved_regions: set[int] = set()
+    for size in sorted({size for dims in regions for size in dims}, reverse=True):
+        taking = [index for index, dims in enumerate(regions) if index not in moved_regions and size in dims]
+        if not taking:
+            continue
         trial = dict(moves)
-        for node, arg in (pair for index in taking for pair in regions[index][0]):
-            placement = sharding_of(arg).output
-            dim = next(d for d, length in enumerate(arg.meta["example_value"].shape)
-                       if length == size and d != placement.dim)
+        for node, arg, dim in (move for index in taking for move in regions[index][size]):
             trial[node] = {**trial.get(node, {}), arg: Shard(dim)}
-        _settle(gm, ctx, sites, trial)
+        try:
+            placed = _settle(gm, ctx, sites, trial)
+        except UnsupportedError:  # an in-place write the moved inputs would land on a copy of
+            continue
         cost = _communicated(gm.graph, ctx.world_size)
         if cost < best:
-            best, moves = cost, trial
-            moved.update(taking)
-    return moves
+            best, moves, kept = cost, trial, (placed, _placements(gm.graph))
+            moved_regions.update(taking)
+    for node, sharding in kept[1].items():
+        place(node, sharding)
+    return moves, kept[0]
+
+
+def _placements(graph: fx.Graph) -> dict[fx.Node, NodeSharding]:
+    return {node: sharding_of(node) for node in graph.nodes if sharding_of(node) is not None}
 
 
 def _describe_moves(moves: dict) -> list[str]:
@@ -459,7 +481,7 @@ def _describe_moves(moves: dict) -> list[str]:
 
 
 def _communicated(graph: fx.Graph, world_size: int) -> float:
-    """The elements a rank receives in the conversions the graph's placements ask for, about: a
+    """About how many elements a rank receives in the conversions the graph's placements ask for: a
     gather the whole value, an all-reduce of a partial sum twice that, an all-to-all 1/P of it."""
     total, seen = 0.0, set()
     for node in graph.nodes:
@@ -506,19 +528,21 @@ def _gathering_regions(graph: fx.Graph, gathered: list) -> list[list[tuple[fx.No
     return list(regions.values())
 
 
-def _shared_sizes(region: list, world_size: int) -> list[int]:
-    """The sizes, largest first, of a dim that every gathered input of the region has besides its
-    sequence (each input held whole along it, as a plain block of the sequence)."""
-    shared = None
-    for _, arg in region:
+def _dims_by_size(region: list, world_size: int) -> dict[int, list[tuple[fx.Node, fx.Node, int]]]:
+    """Each size of a dim that every gathered input of the region has besides its sequence (each a plain
+    block of the sequence), at least P -> (fallback, input, its first dim of that size) for each."""
+    found: dict[int, list] | None = None
+    for node, arg in region:
         placement = sharding_of(arg).output
         if not isinstance(placement, Shard):
-            return []
-        shape = arg.meta["example_value"].shape
-        sizes = {int(length) for d, length in enumerate(shape)
-                 if d != placement.dim and not is_symbolic(length) and length >= world_size}
-        shared = sizes if shared is None else shared & sizes
-    return sorted(shared or (), reverse=True)
+            return {}
+        dims: dict[int, int] = {}
+        for dim, length in enumerate(arg.meta["example_value"].shape):
+            if dim != placement.dim and not is_symbolic(length) and length >= world_size:
+                dims.setdefault(int(length), dim)
+        found = {size: [(node, arg, dim)] for size, dim in dims.items()} if found is None else \
+            {size: [*moves, (node, arg, dims[size])] for size, moves in found.items() if size in dims}
+    return found or {}
 
 
 def _writes_into_a_copy(node: fx.Node, sharding: NodeSharding, view: RuleView) -> bool:

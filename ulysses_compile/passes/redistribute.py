@@ -157,9 +157,9 @@ class _Redistributor:
         value = sharding_of(node).global_value
         return (
             not self.ctx.head_tail
+            and isinstance(want, Shard)
             and (isinstance(have, Shard) or isinstance(have, MergedShard) and have.outer == 1
                  and not is_symbolic(have.inner) and have.dim != want.dim)
-            and isinstance(want, Shard)
             and isinstance(value, torch.Tensor)
             and value.shape[want.dim] >= self.ctx.world_size
         )

@@ -519,14 +519,19 @@ def _split_at_the_ends(node, view, dim: int) -> Decision | None:
     """``torch.tensor_split(x, [S], dim=1)`` with S the sequence's whole length (transformers' Mamba 2
     keeping its last positions for a step-by-step scan, none in training): one part is the sequence,
     held as it is, the others empty, on every rank; the local call cuts the rank's block the same way."""
+    if node.target not in (torch.tensor_split, "tensor_split"):
+        return None
     source = node.args[0]
-    cuts = method_or_function_args(node, ("input", "sections", "dim"))["sections"]
+    cuts = node.args[1] if len(node.args) > 1 else next(
+        (node.kwargs[name] for name in ("indices", "indices_or_sections", "tensor_indices_or_sections")
+         if name in node.kwargs), None)
     length = view.value(source).shape[dim]
-    if node.target not in (torch.tensor_split, "tensor_split") or not isinstance(cuts, (list, tuple)) or any(
+    if not isinstance(cuts, (list, tuple)) or any(
             not (same_size(view.value(cut), 0) or same_size(view.value(cut), length)) for cut in cuts):
         return None
     placement = view.placement(source)
-    return Decision(tuple(placement if part.shape[dim] else REPLICATE for part in view.value(node)), {source: placement})
+    return Decision(tuple(REPLICATE if same_size(part.shape[dim], 0) else placement for part in view.value(node)),
+                    {source: placement})
 
 
 @register(*SPLITS, *UNBINDS)
