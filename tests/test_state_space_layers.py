@@ -150,6 +150,62 @@ def test_chunked_scans_run_on_the_rank_heads_equal_to_eager(world_size, seq):
     run_ranks(scans_equal_to_eager, world_size, seq)
 
 
+def tiny_bamba():
+    """transformers' Bamba: a Mamba 2 layer (8 heads in 2 groups), then an attention layer."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.BambaForCausalLM(transformers.BambaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=16))
+
+
+def hybrids_equal_to_eager(rank, world_size, seq):
+    """transformers' Bamba and MiniMax (lightning attention, a linear attention in chunks, then an
+    attention layer, as the zoo sweep shrinks it)."""
+    from zoo_sweep import tiny_model
+
+    for name, build in (("bamba", tiny_bamba), ("minimax", lambda: tiny_model("minimax", "sdpa"))):
+        model = build()
+        reference = copy.deepcopy(model)
+        ids, labels = token_batch(seq=seq)
+        ids, labels = ids % model.config.vocab_size, labels.clamp(min=0) % model.config.vocab_size
+        reports = []
+        got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
+        want = reference(input_ids=ids, labels=labels, use_cache=False)
+        for report in reports:
+            assert not report.fallbacks and not report.replicated, f"{name}: {report}"
+            assert all("parallelized" in site.decision for site in report.attention_sites), f"{name}: {report}"
+            assert "gather_seq" not in [call.kind for call in report.collectives], f"{name}: {report}"
+        assert any(report.off_sequence for report in reports), name
+        got.loss.backward()
+        want.loss.backward()
+        compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hybrids_of_attention_and_scans_equal_to_eager(world_size):
+    run_ranks(hybrids_equal_to_eager, world_size, 32)
+
+
+def test_explain_shows_each_scan_on_the_rank_heads():
+    """``explain`` of Mamba 2 at P = 4: nothing gathered, each mixer's scan on another dim with its
+    all-to-alls in the collectives table."""
+    from ulysses_compile import explain
+
+    ids = torch.randint(0, 96, (1, 64))
+    report = explain(tiny_mamba2(), input_ids=ids, labels=ids, use_cache=False, world_size=4, rank=1)
+    text = str(report)
+    assert not report.fallbacks and "gather_seq" not in text, text
+    for layer in (0, 1):
+        assert f"on the rank's part of another dim, whole along the sequence: backbone.layers.{layer}.mixer: " in text
+        assert any(call.purpose == "seq_to_heads" and call.where == f"backbone.layers.{layer}.mixer"
+                   for call in report.collectives), text
+
+
 def test_the_scan_reads_the_rank_heads_of_each_input(fake_group):
     """One process at P = 4 (rank 1): the four inputs of each layer's scan (x and the time step's decay,
     [1, S, H, P] and [1, S, H], B and C) leave the rank's block of 8 positions for its one head of four,
