@@ -9,6 +9,7 @@ new one.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import queue
 import socket
@@ -137,6 +138,24 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
     scale = want64.abs().max().item() if want.numel() else 0.0
     assert error <= rtol * scale + 1e-8, f"{name}: max abs error {error:.3e} > {rtol} x {scale:.3e}"
     return error
+
+
+def step_against_eager(rank, model, *args, **kwargs) -> list:
+    """One forward and backward of ``model`` compiled with ulysses (aot_eager) and of an eager copy on
+    the same inputs; loss, logits and every gradient compared. Returns the compiled graphs' reports.
+    ``model`` returns ``(loss, logits)`` or an output with ``.loss`` and ``.logits``."""
+    from graphs import reporting_backend
+
+    reference = copy.deepcopy(model)
+    reports = []
+    got = torch.compile(model, backend=reporting_backend(reports))(*args, **kwargs)
+    want = reference(*args, **kwargs)
+    (got_loss, got_logits), (want_loss, want_logits) = (
+        (out.loss, out.logits) if hasattr(out, "loss") else out for out in (got, want))
+    got_loss.backward()
+    want_loss.backward()
+    compare_model(rank, model, reference, {"loss": (got_loss, want_loss), "logits": (got_logits, want_logits)})
+    return reports
 
 
 def compare_model(rank, compiled_module, eager_module, outputs) -> dict[str, float]:

@@ -5,16 +5,14 @@ gathered sequence; loss, logits and every gradient equal eager's."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphs import reporting_backend
 from models import token_batch
-from multirank import compare_model, run_ranks
+from multirank import run_ranks, step_against_eager
 
 from ulysses_compile.core.runtime import causal_conv1d
 
@@ -79,29 +77,13 @@ def _assert_convolutions_on_blocks(reports, convolutions: int):
 
 
 def convolutions_equal_to_eager(rank, world_size, seq):
-    model = tiny_lfm2()
-    reference = copy.deepcopy(model)
     ids, labels = token_batch(seq=seq)
-    reports = []
-    got = torch.compile(model, backend=reporting_backend(reports))(input_ids=ids, labels=labels, use_cache=False)
-    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    reports = step_against_eager(rank, tiny_lfm2(), input_ids=ids, labels=labels, use_cache=False)
     _assert_convolutions_on_blocks(reports, 1)
-    got.loss.backward()
-    want.loss.backward()
-    compare_model(rank, model, reference, {"loss": (got.loss, want.loss), "logits": (got.logits, want.logits)})
 
     torch.manual_seed(0)
-    model = HybridLM()
-    reference = copy.deepcopy(model)
-    ids, targets = token_batch(seq=seq)
-    ids, targets = ids % 96, targets.clamp(min=0) % 96
-    reports = []
-    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
-    want = reference(ids, targets)
-    _assert_convolutions_on_blocks(reports, 1)
-    got[0].backward()
-    want[0].backward()
-    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
+    ids, targets = ids % 96, labels.clamp(min=0) % 96
+    _assert_convolutions_on_blocks(step_against_eager(rank, HybridLM(), ids, targets), 1)
 
 
 @pytest.mark.multirank
@@ -197,20 +179,12 @@ class ConvolutionLM(nn.Module):
 
 def without_attention_equal_to_eager(rank, world_size):
     torch.manual_seed(0)
-    model = ConvolutionLM()
-    reference = copy.deepcopy(model)
     ids, targets = token_batch(seq=24)
     ids, targets = ids % 96, targets.clamp(min=0) % 96
-    reports = []
-    got = torch.compile(model, backend=reporting_backend(reports))(ids, targets)
-    want = reference(ids, targets)
-    (report,) = reports
+    (report,) = step_against_eager(rank, ConvolutionLM(), ids, targets)
     kinds = [call.kind for call in report.collectives]
     assert not report.replicated and len(report.convolutions) == 2 and not report.fallbacks, str(report)
     assert kinds.count("rows_before") == 2 and "gather_seq" not in kinds, kinds
-    got[0].backward()
-    want[0].backward()
-    compare_model(rank, model, reference, {"loss": (got[0], want[0]), "logits": (got[1], want[1])})
 
 
 @pytest.mark.multirank

@@ -66,6 +66,7 @@ from ulysses_compile.core.sizes import is_symbolic, same_size
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
 from ulysses_compile.passes.recognize_causal_convolution import causal_convolutions
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
+from ulysses_compile.passes.redistribute import all_to_all_converts
 from ulysses_compile.passes.rules.routing import FRESH_BUFFERS, whole_like
 from ulysses_compile.passes.sequence_dims import sequence_dims
 
@@ -427,7 +428,31 @@ def _moved_decision(node: fx.Node, view: RuleView, rule, moved: dict | None, seq
         length = view.value(arg).shape[dim]
         if outer == 1 and held != dim and (is_symbolic(length) or length >= view.world_size):
             back[arg] = Shard(dim)
-    return rule(node, view.overridden(back)) if back else None
+    decision = rule(node, view.overridden(back)) if back else None
+    return decision or _as_the_sequence_is(node, view, rule, seq_lengths)
+
+
+def _as_the_sequence_is(node: fx.Node, view: RuleView, rule, seq_lengths: list):
+    """The rule's answer with inputs held along another dim taken to the placement of an input of the
+    same shape that holds the sequence (both merged into one dim, as ``[B*S*H, D]`` is: over H, over
+    S); None if it has none."""
+    local = [arg for arg in view.tensor_args(node) if view.sharded(arg) is not None]
+
+    def sharded_length(arg):
+        held, outer, inner = view.sharded(arg)
+        return view.value(arg).shape[held] // (outer * inner)
+
+    def same_shape(a, b):
+        a, b = view.value(a).shape, view.value(b).shape
+        return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+    on_sequence = [arg for arg in local if any(same_size(sharded_length(arg), length) for length in seq_lengths)]
+    for holder in on_sequence:
+        back = {arg: view.placement(holder) for arg in local if arg not in on_sequence and same_shape(arg, holder)}
+        decision = rule(node, view.overridden(back)) if back else None
+        if decision is not None:
+            return decision
+    return None
 
 
 def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Placed) -> tuple[dict, _Placed]:
@@ -500,7 +525,7 @@ def _communicated(graph: fx.Graph, world_size: int) -> float:
                 total += 2 * elements
                 have = completed(have)
             if is_rank_local(have) and have != want:
-                total += elements / world_size if is_rank_local(want) else elements
+                total += elements / world_size if all_to_all_converts(value, have, want, world_size) else elements
     return total
 
 

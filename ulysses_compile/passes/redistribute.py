@@ -127,7 +127,7 @@ class _Redistributor:
         if is_permuted(have) or is_permuted(want):
             raise InternalError(f"{node.name} is {have} and was asked for as {want}: rows in a rank's own order "
                                 f"have no conversion (propagate_sharding gathers their sort's input instead)")
-        if self._all_to_all_ok(node, have, want):
+        if not ctx.head_tail and _between_dims(sharding_of(node).global_value, have, want, ctx.world_size):
             # Shard(a) -> Shard(b): one all-to-all, as before an attention (sequence -> heads) and after it;
             # from a dim that holds the split dim with another merged after it ([B, S, H*D] over H), the same.
             dim, _, inner = seq_factors(have)
@@ -135,6 +135,15 @@ class _Redistributor:
             rank = ctx.rank_for(node.graph, length, sharding_of(node).global_value.shape[want.dim])
             return self._insert(seq_to_heads, (node, dim, want.dim, length, rank, ctx.world_size, ctx.group_name,
                                                *((1, inner) if inner != 1 else ())), node, want, before)
+        regrouped = None if ctx.head_tail else regrouping(sharding_of(node).global_value, have, want, ctx.world_size)
+        if regrouped is not None:
+            # One dim holding [outer, S, H, inner], split over H, to the same split over S: one all-to-all.
+            dim, outer, sequence, heads, inner = regrouped
+            rank = ctx.rank_for(node.graph, heads, sequence)
+            apart = self._insert_method(node, "unflatten", (dim, (outer, sequence, -1, inner)), before, node)
+            moved = self._insert(seq_to_heads, (apart, dim + 2, dim + 1, heads, rank, ctx.world_size, ctx.group_name),
+                                 apart, None, before)
+            return self._insert_method(moved, "flatten", (dim, dim + 3), before, moved, want)
         if seq_factors(have) is not None:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
@@ -150,19 +159,12 @@ class _Redistributor:
         return self._insert(scatter_seq, (node, dim, outer, inner, rank, ctx.world_size, ctx.group_name,
                                           *ctx.layout_args()), node, want, before)
 
-    def _all_to_all_ok(self, node, have, want) -> bool:
-        """Whether one all-to-all converts: between two sharded dims (the held one possibly merged with
-        dims after it), the sequence in contiguous blocks (an all-to-all would give the whole sequence in
-        the head-tail layout's order)."""
-        value = sharding_of(node).global_value
-        return (
-            not self.ctx.head_tail
-            and isinstance(want, Shard)
-            and (isinstance(have, Shard) or isinstance(have, MergedShard) and have.outer == 1
-                 and not is_symbolic(have.inner) and have.dim != want.dim)
-            and isinstance(value, torch.Tensor)
-            and value.shape[want.dim] >= self.ctx.world_size
-        )
+    def _insert_method(self, source: fx.Node, method: str, args: tuple, before: fx.Node | None, after: fx.Node,
+                       placement=None) -> fx.Node:
+        anchor = self.graph.inserting_before(before) if before is not None else self.graph.inserting_after(after)
+        with anchor:
+            call = self.graph.call_method(method, (source, *args))
+        return place(call, NodeSharding(placement, sharding_of(after).global_value))
 
     def _insert(self, fn, args, after: fx.Node, placement, before: fx.Node | None) -> fx.Node:
         source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
@@ -195,6 +197,41 @@ class _Writes:
     def record(self, written: fx.Node | None) -> None:
         if isinstance(written, fx.Node):
             self.version[self.base.get(written, written)] += 1
+
+
+def all_to_all_converts(value, have, want, world_size: int) -> bool:
+    """Whether one all-to-all converts ``have`` to ``want`` (the sequence in contiguous blocks: in the
+    head-tail layout it would give the whole sequence in that layout's order): between two sharded dims,
+    the held one possibly merged with dims after it, or one dim merging a sequence and heads
+    (``regrouping``)."""
+    return _between_dims(value, have, want, world_size) or regrouping(value, have, want, world_size) is not None
+
+
+def _between_dims(value, have, want, world_size: int) -> bool:
+    return (isinstance(value, torch.Tensor) and isinstance(want, Shard)
+            and (isinstance(have, Shard) or isinstance(have, MergedShard) and have.outer == 1
+                 and not is_symbolic(have.inner) and have.dim != want.dim)
+            and value.shape[want.dim] >= world_size)
+
+
+def regrouping(value, have, want, world_size: int) -> tuple | None:
+    """(dim, outer, S, H, inner) where ``have`` and ``want`` split one dim holding [outer, S, H, inner]
+    over H and over S (``MergedShard(d, outer * S, inner)`` to ``MergedShard(d, outer, H * inner)``: the
+    gated norm's ``[B*S*H, D]`` rows after a scan on the heads), all static, each at least P; else None."""
+    have_factors, want_factors = seq_factors(have), seq_factors(want)
+    if not isinstance(value, torch.Tensor) or have_factors is None or want_factors is None \
+            or have_factors[0] != want_factors[0]:
+        return None
+    dim, have_outer, have_inner = have_factors
+    _, outer, want_inner = want_factors
+    size = value.shape[dim]
+    if any(is_symbolic(n) for n in (size, have_outer, have_inner, outer, want_inner)) or have_outer % outer \
+            or want_inner % have_inner:
+        return None
+    sequence, heads = have_outer // outer, want_inner // have_inner
+    if min(sequence, heads) < world_size or outer * sequence * heads * have_inner != size:
+        return None
+    return dim, outer, sequence, heads, have_inner
 
 
 def _row_blocks(have, want, value, world_size: int) -> tuple[tuple, tuple] | None:

@@ -146,3 +146,32 @@ def einsum_rule(node, view):
     if letter not in output:
         return Decision(PARTIAL, demands)
     return Decision(seq_shard(output.index(letter), *factors), demands)
+
+
+@register(torch.linalg.solve_triangular)
+def solve_triangular_rule(node, view):
+    """``torch.linalg.solve_triangular(A, B)``: one solve per matrix of the leading dims (gated DeltaNet's
+    per chunk and head); a leading dim sharded in either operand stays sharded, the other operand read
+    at the same block (or whole where it broadcasts along it)."""
+    out = view.value(node)
+    args = method_or_function_args(node, ("A", "B"))
+    operands = (args.get("A"), args.get("B"))
+    if not all(isinstance(operand, torch.fx.Node) for operand in operands):
+        return None
+    placements = set()
+    for operand in operands:
+        factors = view.sharded(operand)
+        if factors is None:
+            continue
+        if factors[0] >= view.value(operand).dim() - 2:
+            return None
+        placements.add(with_dim(view.placement(operand), factors[0] + out.dim() - view.value(operand).dim()))
+    if len(placements) != 1:
+        return None
+    (placement,) = placements
+    demands = {}
+    for operand in operands:
+        value = view.value(operand)
+        dim = placement.dim - (out.dim() - value.dim())
+        demands[operand] = with_dim(placement, dim) if dim >= 0 and value.shape[dim] != 1 else REPLICATE
+    return Decision(placement, demands)
