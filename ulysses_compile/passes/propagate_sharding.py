@@ -90,11 +90,61 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> Propagation:
     by all-to-all, as an attention's q, k and v go to the heads, and the first op that needs the
     sequence again takes its value back to it the same way. Ranks decide alike: placements depend on
     global shapes and P, not on the rank."""
-    moves, placed = _moves_off_the_sequence(gm, ctx, sites, _settle(gm, ctx, sites, {}))
+    facts = _GraphFacts.of(gm, ctx, sites)
+    moves, placed = _moves_off_the_sequence(gm, ctx, sites, facts, _settle(gm, ctx, facts, {}))
     return Propagation(placed.fallbacks, _describe_moves(moves))
 
 
-def _settle(gm: fx.GraphModule, ctx, sites: list, moves: dict) -> "_Placed":
+@dataclass
+class _GraphFacts:
+    """What placing reads of the graph and its sites, not of placements: found once, for every placing
+    of the graph (each revisit, each try of ``_moves_off_the_sequence``)."""
+
+    bases: dict[fx.Node, fx.Node]
+    writes: list[tuple[fx.Node, fx.Node]]  # (an in-place op, what it writes)
+    order: dict[fx.Node, int]
+    attention: set[fx.Node]  # the sites and their head-parallel nodes
+    site_nodes: set[fx.Node]
+    head_parallel: dict[fx.Node, tuple]
+    seq_dims: dict
+    seq_lengths: list
+    on_cache_heads: dict
+    over_cache_heads: dict
+    projections: dict[fx.Node, tuple[bool, int]]
+    starts: set[fx.Node]  # where sharding may start
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, ctx, sites: list) -> "_GraphFacts":
+        bases = alias_bases(gm.graph)
+        written = written_bases(gm.graph, bases)
+        mixed = _mixed_inputs(gm.graph, sites)
+        feeds_mixers = ancestors(node for node, _ in mixed)
+        feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
+        head_parallel = _head_parallel_nodes(sites)
+        reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
+        # A view of a value written in place is not where sharding starts: it would view a sliced copy.
+        views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
+        on_cache_heads = {site.node: site for site in sites if site.on_cache_heads}
+        # Decoding on a cache's heads: the cache and the projections onto heads are sharded (over heads), the
+        # new positions stay whole.
+        starts = (reads_lazy if on_cache_heads else feeds_mixers | reads_lazy) - feeds_masks - views_of_written
+        return cls(
+            bases=bases,
+            writes=[(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)],
+            order={node: index for index, node in enumerate(gm.graph.nodes)},
+            attention=set(head_parallel) | {site.node for site in sites},
+            site_nodes={site.node for site in sites if site.scores is None},
+            head_parallel=head_parallel,
+            seq_dims=sequence_dims(mixed, ctx.parameters),
+            seq_lengths=[node.meta["example_value"].shape[dim] for node, dim in mixed],
+            on_cache_heads=on_cache_heads,
+            over_cache_heads={site.node: site for site in sites if site.kv_on_cache_heads},
+            projections=_projections_onto_heads(on_cache_heads.values(), ctx.parameters),
+            starts=starts,
+        )
+
+
+def _settle(gm: fx.GraphModule, ctx, facts: _GraphFacts, moves: dict) -> "_Placed":
     """Place every node, with the inputs ``moves`` names moved off the sequence; returns the placement
     that needs no further revisit.
 
@@ -103,15 +153,11 @@ def _settle(gm: fx.GraphModule, ctx, sites: list, moves: dict) -> "_Placed":
     reduction) takes writes made through it on the reduced copy. Where that happens, the written value
     is placed whole from where it is made, so its views are real views; placing it whole can change
     other placements, so this repeats until no new value is found."""
-    bases = alias_bases(gm.graph)
-    written = written_bases(gm.graph, bases)
-    writes = [(node, mutated_arg(node)) for node in gm.graph.nodes if isinstance(mutated_arg(node), fx.Node)]
-    order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    attention = set(_head_parallel_nodes(sites)) | {site.node for site in sites}
+    bases, writes, order = facts.bases, facts.writes, facts.order
     whole: dict[fx.Node, str] = {}  # value kept whole -> why
     refused: dict[str, str] = {}  # a local sort whose rows are not put back in order -> the reader
     while True:
-        placed = _place_all(gm, ctx, sites, bases, written, whole, refused, moves)
+        placed = _place_all(gm, ctx, facts, whole, refused, moves)
         found = {}
         for view in placed.copies:  # a view of a gathered copy: stale after a later write to its base
             if bases[view] not in whole and any(order[writer] > order[view] and bases[target] is bases[view]
@@ -121,7 +167,7 @@ def _settle(gm: fx.GraphModule, ctx, sites: list, moves: dict) -> "_Placed":
             if bases[view] not in whole and any(_viewed_through(target, view, bases) for _, target in writes):
                 found.setdefault(bases[view], view)
         for base, view in found.items():
-            if base in attention:
+            if base in facts.attention:
                 raise UnsupportedError(
                     f"{base.name} (inside an attention at {module_path(base) or base.name}) is written in place and viewed by "
                     f"{view.name} ({view.target}), which has no sequence-sharded view here (it would run on a "
@@ -157,24 +203,9 @@ class _Placed:
     gathered: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (a fallback, a rank-local input it gathers)
 
 
-def _place_all(gm, ctx, sites, bases, written, whole, refused, moves) -> _Placed:
+def _place_all(gm, ctx, facts: _GraphFacts, whole, refused, moves) -> _Placed:
     """Place every node; returns what propagation must revisit."""
-    mixed = _mixed_inputs(gm.graph, sites)
-    feeds_mixers = ancestors(node for node, _ in mixed)
-    feeds_masks = ancestors(mask for site in sites for mask in site.mask_inputs())
-    site_nodes = {site.node for site in sites if site.scores is None}
-    head_parallel = _head_parallel_nodes(sites)
-    seq_dims = sequence_dims(mixed, ctx.parameters)
-    seq_lengths = [node.meta["example_value"].shape[dim] for node, dim in mixed]
-    reads_lazy = {user for placeholder in ctx.lazy_inputs for user in placeholder.users}
-    # A view of a value written in place is not where sharding starts: it would view a sliced copy.
-    views_of_written = {node for node in gm.graph.nodes if may_alias(node) and bases[node] in written}
-    on_cache_heads = {site.node: site for site in sites if site.on_cache_heads}
-    over_cache_heads = {site.node: site for site in sites if site.kv_on_cache_heads}
-    projections = _projections_onto_heads(on_cache_heads.values(), ctx.parameters)
-    # Decoding on a cache's heads: the cache and the projections onto heads are sharded (over heads), the
-    # new positions stay whole.
-    starts = (reads_lazy if on_cache_heads else feeds_mixers | reads_lazy) - feeds_masks - views_of_written
+    on_cache_heads, over_cache_heads, head_parallel = facts.on_cache_heads, facts.over_cache_heads, facts.head_parallel
     view = RuleView(_output_placement, ctx.world_size)
     placed = _Placed()
     for node in gm.graph.nodes:
@@ -195,7 +226,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused, moves) -> _Placed
             place(node, _on_cache_heads(on_cache_heads[node], value))
         elif node in over_cache_heads:
             place(node, _over_cache_heads(over_cache_heads[node], value))
-        elif (projected := _projection_on_heads(node, projections.get(node), view, value)) is not None:
+        elif (projected := _projection_on_heads(node, facts.projections.get(node), view, value)) is not None:
             place(node, projected)
         elif node in head_parallel:
             by_heads, entering = head_parallel[node]
@@ -203,8 +234,9 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused, moves) -> _Placed
                       for arg in view.tensor_args(node)}
             place(node, NodeSharding(by_heads, value, inputs))
         else:
-            sharding, fallback, copies = _decide(node, value, view, ctx, node in starts, node in site_nodes,
-                                                 seq_dims, seq_lengths, refused.get(node.name), moves.get(node))
+            sharding, fallback, copies = _decide(node, value, view, ctx, node in facts.starts, node in facts.site_nodes,
+                                                 facts.seq_dims, facts.seq_lengths, refused.get(node.name),
+                                                 moves.get(node))
             placed.fallbacks += [fallback] if fallback is not None else []
             if fallback is not None:
                 placed.gathered += [(node, arg) for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
@@ -212,7 +244,7 @@ def _place_all(gm, ctx, sites, bases, written, whole, refused, moves) -> _Placed
                 placed.copies.append(node)
             elif may_alias(node) and isinstance(sharding.output, Partial):
                 placed.reductions.append(node)
-            written_whole = _write_in_place(node, sharding, view, bases)
+            written_whole = _write_in_place(node, sharding, view, facts.bases)
             if written_whole is not None:
                 placed.whole_writes.setdefault(written_whole[0], (node, written_whole[1]))
             _find_stranded(node, sharding.inputs, view, placed)
@@ -455,7 +487,8 @@ def _as_the_sequence_is(node: fx.Node, view: RuleView, rule, seq_lengths: list):
     return None
 
 
-def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Placed) -> tuple[dict, _Placed]:
+def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, facts: _GraphFacts,
+                            settled: _Placed) -> tuple[dict, _Placed]:
     """Ops that run whole on gathered sequences, grouped where their whole results meet (a region:
     the chunked scan of a state-space layer, each of its inputs gathered): the inputs a region gathers
     taken instead to a dim of one size that each of them has (the scan's heads), where the graph then
@@ -478,7 +511,7 @@ def _moves_off_the_sequence(gm: fx.GraphModule, ctx, sites: list, settled: _Plac
         for node, arg, dim in (move for index in taking for move in regions[index][size]):
             trial[node] = {**trial.get(node, {}), arg: Shard(dim)}
         try:
-            placed = _settle(gm, ctx, sites, trial)
+            placed = _settle(gm, ctx, facts, trial)
         except UnsupportedError:  # an in-place write the moved inputs would land on a copy of
             continue
         cost = _communicated(gm.graph, ctx.world_size)
