@@ -399,17 +399,11 @@ def _reshard_even(xs: list, from_dim: int, to_dim: int, world_size: int, group_n
 
 
 def seq_to_heads(x, seq_dim: int, head_dim: int, seq_len: int, rank, world_size: int, group_name: str,
-                 heads_outer: int = 1, seq_inner: int = 1):
+                 heads_outer: int = 1):
     """``[.., H, .., S/P, ..]`` -> ``[.., H/P, .., S, ..]``: the whole sequence (of global length
     ``seq_len``) for this rank's heads. Any Shard(a) -> Shard(b) conversion is this all-to-all.
     ``heads_outer`` > 1: the head dim holds ``[heads_outer, H]`` merged (Bloom's ``[B*H, S, D]``), and
-    each of the ``heads_outer`` groups splits its heads over the ranks. ``seq_inner`` > 1: the split
-    dim holds ``[S, seq_inner]`` merged (heads and their head dim, ``[B, S, H*D]`` split over H)."""
-    if seq_inner > 1:
-        apart = x.unflatten(seq_dim, (-1, seq_inner))
-        moved = _reshard_heads([apart], seq_dim, head_dim + (head_dim > seq_dim), [seq_len], rank, world_size,
-                               group_name, heads_outer)[0]
-        return moved.flatten(seq_dim, seq_dim + 1)
+    each of the ``heads_outer`` groups splits its heads over the ranks."""
     return _reshard_heads([x], seq_dim, head_dim, [seq_len], rank, world_size, group_name, heads_outer)[0]
 
 

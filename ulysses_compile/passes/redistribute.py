@@ -133,17 +133,17 @@ class _Redistributor:
             dim, _, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // inner
             rank = ctx.rank_for(node.graph, length, sharding_of(node).global_value.shape[want.dim])
-            return self._insert(seq_to_heads, (node, dim, want.dim, length, rank, ctx.world_size, ctx.group_name,
-                                               *((1, inner) if inner != 1 else ())), node, want, before)
+            if inner == 1:
+                return self._insert(seq_to_heads, (node, dim, want.dim, length, rank, ctx.world_size, ctx.group_name),
+                                    node, want, before)
+            return self._all_to_all_apart(node, dim, (-1, inner), dim, want.dim + (want.dim > dim), length, rank,
+                                          before, want)
         regrouped = None if ctx.head_tail else regrouping(sharding_of(node).global_value, have, want, ctx.world_size)
         if regrouped is not None:
             # One dim holding [outer, S, H, inner], split over H, to the same split over S: one all-to-all.
             dim, outer, sequence, heads, inner = regrouped
-            rank = ctx.rank_for(node.graph, heads, sequence)
-            apart = self._insert_method(node, "unflatten", (dim, (outer, sequence, -1, inner)), before, node)
-            moved = self._insert(seq_to_heads, (apart, dim + 2, dim + 1, heads, rank, ctx.world_size, ctx.group_name),
-                                 apart, None, before)
-            return self._insert_method(moved, "flatten", (dim, dim + 3), before, moved, want)
+            return self._all_to_all_apart(node, dim, (outer, sequence, -1, inner), dim + 2, dim + 1, heads,
+                                          ctx.rank_for(node.graph, heads, sequence), before, want)
         if seq_factors(have) is not None:
             dim, outer, inner = seq_factors(have)
             length = sharding_of(node).global_value.shape[dim] // (outer * inner)
@@ -159,12 +159,21 @@ class _Redistributor:
         return self._insert(scatter_seq, (node, dim, outer, inner, rank, ctx.world_size, ctx.group_name,
                                           *ctx.layout_args()), node, want, before)
 
-    def _insert_method(self, source: fx.Node, method: str, args: tuple, before: fx.Node | None, after: fx.Node,
+    def _all_to_all_apart(self, node: fx.Node, dim: int, sizes: tuple, held: int, wanted: int, length: int, rank,
+                          before: fx.Node | None, want) -> fx.Node:
+        """``node`` with dim ``dim`` viewed as ``sizes`` (the rank's block as -1), one all-to-all from the
+        split dim ``held`` (of ``length``) to ``wanted`` (dims of that view), and the dim merged back."""
+        apart = self._insert_method(node, "unflatten", (dim, sizes), before)
+        moved = self._insert(seq_to_heads, (apart, held, wanted, length, rank, self.ctx.world_size, self.ctx.group_name),
+                             apart, None, before)
+        return self._insert_method(moved, "flatten", (dim, dim + len(sizes) - 1), before, want)
+
+    def _insert_method(self, source: fx.Node, method: str, args: tuple, before: fx.Node | None,
                        placement=None) -> fx.Node:
-        anchor = self.graph.inserting_before(before) if before is not None else self.graph.inserting_after(after)
+        anchor = self.graph.inserting_before(before) if before is not None else self.graph.inserting_after(source)
         with anchor:
             call = self.graph.call_method(method, (source, *args))
-        return place(call, NodeSharding(placement, sharding_of(after).global_value))
+        return place(call, NodeSharding(placement, sharding_of(source).global_value))
 
     def _insert(self, fn, args, after: fx.Node, placement, before: fx.Node | None) -> fx.Node:
         source = sharding_of(args[0]) if isinstance(args[0], fx.Node) else None
