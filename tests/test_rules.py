@@ -165,12 +165,22 @@ def test_matmul_with_a_right_operand_sharded_on_its_columns_shards_the_output_co
     assert decision.output == Shard(2) and decision.inputs == {a: REPLICATE, b: Shard(2)}
 
 
-@pytest.mark.parametrize("a_placement, b_placement", [(Shard(2), REPLICATE), (Shard(1), Shard(2)),
-                                                      (REPLICATE, Shard(1))],
-                         ids=["contracted", "sharded apart", "right operand rows"])
-def test_matmul_sharded_on_a_contracted_dim_or_apart_is_refused(a_placement, b_placement):
+@pytest.mark.parametrize("a_placement, b_placement", [(Shard(2), REPLICATE), (REPLICATE, Shard(1))],
+                         ids=["contracted", "right operand rows"])
+def test_matmul_sharded_on_a_contracted_dim_is_refused(a_placement, b_placement):
     node, (a, b) = build(torch.matmul, empty(B, S, S), empty(B, S, S))
     assert decide(node, {a: a_placement, b: b_placement}) is None
+
+
+def test_matmul_of_operands_sharded_apart_reads_the_smaller_whole():
+    """A sparse attention's indexer: the rank's queries of every head against every key (one head):
+    the keys arrive whole, the queries keep their rows, and so does the result."""
+    node, (q, k_t) = build(torch.matmul, empty(B, S, H, 6), empty(B, 1, 6, S))
+    decision = decide(node, {q: Shard(1), k_t: Shard(3)})
+    assert decision.output == Shard(1) and decision.inputs == {q: Shard(1), k_t: REPLICATE}
+    node, (k_t, q) = build(torch.matmul, empty(B, 1, S, 6), empty(B, H, 6, S))
+    decision = decide(node, {k_t: Shard(2), q: Shard(3)})
+    assert decision.output == Shard(3) and decision.inputs == {k_t: REPLICATE, q: Shard(3)}
 
 
 def test_einsum_keeping_the_sequence_letter_shards_the_output_there():
@@ -186,12 +196,17 @@ def test_einsum_summing_over_the_sequence_letter_is_partial():
 
 
 @pytest.mark.parametrize("equation, y_shape, y_placement", [("bsh,bsd->bhd", (B, S, 6), REPLICATE),
-                                                            ("...h,hd->...d", (H, 6), REPLICATE),
-                                                            ("bsh,bth->bst", (B, S, H), Shard(1))],
-                         ids=["sequence letter replicated", "ellipsis", "two sharded letters"])
+                                                            ("...h,hd->...d", (H, 6), REPLICATE)],
+                         ids=["sequence letter replicated", "ellipsis"])
 def test_einsum_is_refused_unless_one_letter_is_sharded_alike_everywhere(equation, y_shape, y_placement):
     node, (x, y) = build(torch.einsum, equation, empty(B, S, H), empty(*y_shape))
     assert decide(node, {x: Shard(1), y: y_placement}) is None
+
+
+def test_einsum_of_two_sharded_letters_reads_the_smaller_operand_whole():
+    node, (x, y) = build(torch.einsum, "bsh,bt->bst", empty(B, S, H), empty(B, S))
+    decision = decide(node, {x: Shard(1), y: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs == {x: Shard(1), y: REPLICATE}
 
 
 def test_index_select_of_a_whole_table_follows_its_ids_and_is_refused_for_a_sharded_table():
@@ -382,6 +397,26 @@ def test_elementwise_max_of_two_tensors_is_pointwise():
     node, (a, b) = build(torch.max, empty(B, S, H), empty(H))
     decision = decide(node, {a: Shard(1)})
     assert decision.output == Shard(1) and decision.inputs == {a: Shard(1), b: REPLICATE}
+
+
+@pytest.mark.parametrize("target", [torch.multiply, torch.subtract, torch.greater, torch.special.expit],
+                         ids=["multiply", "subtract", "greater", "expit"])
+def test_aliases_of_elementwise_ops_are_elementwise(target):
+    """ATen's aliases carry no pointwise tag (Gemma 3n's ``torch.multiply``)."""
+    args = (empty(B, S, H),) if target is torch.special.expit else (empty(B, S, H), empty(H))
+    node, inputs = build(target, *args)
+    decision = decide(node, {inputs[0]: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs[inputs[0]] == Shard(1)
+
+
+@pytest.mark.parametrize("method, args", [("new_ones", ((B, S, 5),)), ("new_zeros", ((B, S, 5),)),
+                                          ("new_full", ((B, S, 5), 2.0)), ("new_empty", ((B, 3),))])
+def test_a_new_tensor_not_made_in_blocks_is_made_whole_without_gathering_its_source(method, args):
+    """``x.new_ones(sizes)`` reads only x's dtype and device: made whole from the global sizes, x left as
+    it is (DeepSeek-V3.2's top-k mask)."""
+    node, (x,) = build(method, empty(B, S, H, dtype=torch.int64), *args)
+    decision = decide(node, {x: Shard(1)})
+    assert decision.output == REPLICATE and decision.inputs == {x: Shard(1)}
 
 
 def test_softmax_along_the_features_stays_sharded():

@@ -141,6 +141,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, sites: list[AttentionSite], rep
     """Run the passes that split the graph, filling ``report``; returns the notes on how it split."""
     propagation = _run(report, propagate_sharding, gm, ctx, sites)
     report.fallbacks, report.off_sequence = propagation.fallbacks, propagation.off_sequence
+    report.notes += propagation.whole_operands
     notes = [_projections_on_heads(gm)] if any(site.on_cache_heads for site in sites) else []
     report.convolutions = [module_path(conv) or conv.name for conv in causal_convolutions(gm.graph)
                            if is_sharded(sharding_of(conv).output)]

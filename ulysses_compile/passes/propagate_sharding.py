@@ -79,6 +79,7 @@ class Propagation:
 
     fallbacks: list[Fallback]  # the nodes computed on gathered inputs
     off_sequence: list[str]  # "module: what went to another dim" for each region moved off the sequence
+    whole_operands: list[str]  # a line for each input a rule takes whole while the node keeps its rows
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> Propagation:
@@ -92,7 +93,7 @@ def propagate_sharding(gm: fx.GraphModule, ctx, sites: list) -> Propagation:
     global shapes and P, not on the rank."""
     facts = _GraphFacts.of(gm, ctx, sites)
     moves, placed = _moves_off_the_sequence(gm, ctx, sites, facts, _settle(gm, ctx, facts, {}))
-    return Propagation(placed.fallbacks, _describe_moves(moves))
+    return Propagation(placed.fallbacks, _describe_moves(moves), placed.whole_operands)
 
 
 @dataclass
@@ -201,6 +202,7 @@ class _Placed:
     whole_writes: dict[fx.Node, tuple[fx.Node, str]] = field(default_factory=dict)
     stranded: dict[str, fx.Node] = field(default_factory=dict)  # local sort -> a node reading its rows unordered
     gathered: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (a fallback, a rank-local input it gathers)
+    whole_operands: list[str] = field(default_factory=list)
 
 
 def _place_all(gm, ctx, facts: _GraphFacts, whole, refused, moves) -> _Placed:
@@ -240,6 +242,10 @@ def _place_all(gm, ctx, facts: _GraphFacts, whole, refused, moves) -> _Placed:
             placed.fallbacks += [fallback] if fallback is not None else []
             if fallback is not None:
                 placed.gathered += [(node, arg) for arg in view.tensor_args(node) if is_rank_local(view.placement(arg))]
+            elif is_sharded(sharding.output) and (whole_operands := _whole_operands(node, sharding, view)):
+                placed.whole_operands += whole_operands
+                if node not in facts.site_nodes:  # a region for the moves: its inputs may go to another dim
+                    placed.gathered += [(node, arg) for arg in view.tensor_args(node) if is_sharded(view.placement(arg))]
             if may_alias(node) and (fallback is not None or copies):
                 placed.copies.append(node)
             elif may_alias(node) and isinstance(sharding.output, Partial):
@@ -425,9 +431,11 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
         seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
             if starts_sharding and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None, False
-    decision = rule(node, view) if rule else None
+    # a move offered first: a rule that keeps one operand's rows and gathers the other has a decision too
+    decision = rule(node, view.overridden(moved)) if rule and moved else None
+    decision = decision or (rule(node, view) if rule else None)
     if decision is None and rule:
-        decision = _moved_decision(node, view, rule, moved, seq_lengths)
+        decision = _moved_decision(node, view, rule, seq_lengths)
     fallback = None
     if decision is None:
         reason = refused or ("no sharding rule for this op" if rule_for(node) is None
@@ -442,14 +450,9 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
     return sharding, fallback, decision is not None and fallback is None and decision.copies
 
 
-def _moved_decision(node: fx.Node, view: RuleView, rule, moved: dict | None, seq_lengths: list):
-    """The rule's answer with inputs taken off the sequence to another dim (``moved``, as
-    ``_moves_off_the_sequence`` chose), or else, for inputs held along another dim, taken back to the
-    sequence; None if neither has one."""
-    if moved:
-        decision = rule(node, view.overridden(moved))
-        if decision is not None:
-            return decision
+def _moved_decision(node: fx.Node, view: RuleView, rule, seq_lengths: list):
+    """The rule's answer with inputs held along another dim taken back to the sequence; None if it has
+    none."""
     back = {}
     for arg in view.tensor_args(node):
         factors = view.sharded(arg)
@@ -529,10 +532,12 @@ def _placements(graph: fx.Graph) -> dict[fx.Node, NodeSharding]:
 
 def _describe_moves(moves: dict) -> list[str]:
     """Each module whose values went off the sequence (its ops called at the model's top level: "the
-    model"), and to which dims."""
+    model"), and to which dims; not those computed there already."""
     moved: dict[str, dict] = {}
     for node, inputs in moves.items():
         for arg, placement in inputs.items():
+            if sharding_of(arg).output == placement:
+                continue
             shape = list(arg.meta["example_value"].shape)
             moved.setdefault(module_path(node) or "the model", {})[arg.name] = f"{arg.name} {shape} to dim {placement.dim}"
     return [f"{module}: {', '.join(values.values())}" for module, values in moved.items()]
@@ -666,6 +671,14 @@ def _sequence_dim(value, seq_lengths) -> int | None:
 
 def _op(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _whole_operands(node: fx.Node, sharding: NodeSharding, view: RuleView) -> list[str]:
+    """A line for each sequence-sharded input of ``node`` that its rule takes whole (gathered) while the
+    node keeps its rows: the rank's queries against every key of a sparse attention's indexer."""
+    return [f"{node.name} ({_op(node)}) keeps its rows and reads {arg.name} "
+            f"{list(view.value(arg).shape)} whole: it is gathered, not its other inputs"
+            for arg, want in sharding.inputs.items() if want is REPLICATE and is_sharded(view.placement(arg))]
 
 
 def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:

@@ -80,13 +80,26 @@ def matmul_rule(node, view):
         if a_dim < a_value.dim() - 2 and out_dim == b_dim + out.dim() - b_value.dim() \
                 and a_factors[1:] == b_factors[1:]:
             return Decision(with_dim(view.placement(a), out_dim), {a: view.placement(a), b: view.placement(b)})
-        return None
+    if a_factors is not None and b_factors is not None:
+        return _one_operand_whole(matmul_rule, node, view, (a, b))
     if b_factors is not None and a_factors is None and b_value.dim() >= 2:
         dim = b_factors[0]
         if dim != b_value.dim() - 1:
             return None
         return Decision(with_dim(view.placement(b), out.dim() - 1), {a: REPLICATE, b: view.placement(b)})
     return None
+
+
+def _one_operand_whole(rule, node, view, operands) -> Decision | None:
+    """Two operands sharded on dims that do not meet (the rank's queries against every key, as a sparse
+    attention's indexer scores them: ``q [B, S, H, D] @ k^T [B, 1, D, S]``): the smaller operand
+    arrives whole and the other keeps its rows, rather than both arriving whole."""
+    options = []
+    for whole in operands:
+        decision = rule(node, view.overridden({whole: REPLICATE}))
+        if decision is not None:
+            options.append((view.value(whole).numel(), decision))
+    return min(options, key=lambda option: option[0])[1] if options else None
 
 
 @register(F.embedding)  # not torch.embedding: it takes (weight, indices)
@@ -115,7 +128,7 @@ def index_select_rule(node, view):
 def einsum_rule(node, view):
     """``einsum``: the sequence is one letter. Kept in the output, the output is sharded there; summed
     over, each rank's term is ``Partial``. Every operand with that letter must be sharded on it alike,
-    and no replicated operand may have it."""
+    and no replicated operand may have it. Two operands sharded on different letters: one arrives whole."""
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -130,6 +143,8 @@ def einsum_rule(node, view):
         factors = view.sharded(operand)
         if factors is not None:
             sharded[subscript[factors[0]]] = factors[1:]
+    if len(sharded) == 2 and len(operands) == 2:  # 'bsh,bth->bst': the rank's s against every t
+        return _one_operand_whole(einsum_rule, node, view, operands)
     if len(sharded) != 1:
         return None
     (letter, factors), = sharded.items()

@@ -155,19 +155,20 @@ def _global_size(node: fx.Node, sharding, ctx) -> None:
     node.graph.erase_node(node)
 
 
-@register("new_empty")
+@register("new_empty", "new_zeros", "new_ones", "new_full")
 def new_tensor_rule(node, view):
     """``x.new_empty(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of no
-    values yet, so each rank makes its own block of it (x's values are not read), as DeepSeek-V3 makes
-    the buffer it writes its keys into. Only where x already is sharded, and not ``new_zeros``: a buffer
-    filled by shifted writes (T5's labels) must stay whole."""
+    values yet, so each rank makes its own block of it, as DeepSeek-V3 makes the buffer it writes its
+    keys into. Otherwise (a filled one: a buffer filled by shifted writes, T5's labels, must stay whole)
+    the whole tensor, made from the global sizes on every rank: x's values are not read (only its dtype
+    and device), so x is not gathered for it."""
     source = node.args[0]
     factors = view.sharded(source) if is_rank_local(view.actual_placement(source)) else None
     out, value = view.value(node), view.value(source)
-    if factors is None or factors[1:] != (1, 1) or not isinstance(out, torch.Tensor) or out.dim() != value.dim() \
-            or not same_size(out.shape[factors[0]], value.shape[factors[0]]):
-        return None
-    return Decision(view.placement(source), {source: view.placement(source)}, _localize_new_tensor)
+    if node.target == "new_empty" and factors is not None and factors[1:] == (1, 1) and isinstance(out, torch.Tensor) \
+            and out.dim() == value.dim() and same_size(out.shape[factors[0]], value.shape[factors[0]]):
+        return Decision(view.placement(source), {source: view.placement(source)}, _localize_new_tensor)
+    return Decision(REPLICATE, {source: view.placement(source)})
 
 
 def _localize_new_tensor(node: fx.Node, sharding, ctx) -> None:
