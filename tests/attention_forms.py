@@ -197,6 +197,31 @@ class OtherSpellings(_FusedQKV):
         return self.out(out.transpose(1, 2).reshape(b, s, d))
 
 
+class KeyTransposedByItsPermute(nn.Module):
+    """GPT-1's attention (transformers' ``openai-gpt``): k^T made from ``[B, S, H, D]`` in one
+    ``permute(0, 2, 3, 1)``, the causal mask a buffer applied as ``w * b + -1e4 * (1 - b)``."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.register_buffer("bias", torch.tril(torch.ones(SEQ, SEQ)).view(1, 1, SEQ, SEQ), persistent=False)
+
+    def split_heads(self, x, k=False):
+        x = x.view(*x.shape[:-1], self.heads, x.shape[-1] // self.heads)
+        return x.permute(0, 2, 3, 1) if k else x.permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=2)
+        q, k, v = self.split_heads(q), self.split_heads(k, k=True), self.split_heads(v)
+        w = torch.matmul(q, k) / math.sqrt(v.size(-1))
+        b = self.bias[:, :, : w.size(-2), : w.size(-1)]
+        w = F.softmax(w * b + -1e4 * (1 - b), dim=-1)
+        out = torch.matmul(w, v).permute(0, 2, 1, 3).contiguous()
+        return self.out(out.view(*out.shape[:-2], -1))
+
+
 class FlexDocumentsAlibi(_FusedQKV):
     """FlexAttention as torchtitan writes it: ``[B, H, S, D]``, a block mask built once for the sequence
     (causal within documents, read from a captured document-id buffer; every other head also within a
@@ -366,6 +391,7 @@ FORMS = {
                                                    (torch.randn(2, SEQ, 48), _padding()), {})),
     "flex_documents_alibi": _seeded(lambda: (FlexDocumentsAlibi(), (_features(),), {})),
     "other_spellings": _seeded(lambda: (OtherSpellings(), (_features(),), {})),
+    "key_transposed_by_its_permute": _seeded(lambda: (KeyTransposedByItsPermute(), (_features(),), {})),
     "attention_weights_returned": _seeded(lambda: (AttentionWeightsReturned(), (_features(),), {})),
     "value_after_scores": _seeded(lambda: (ValueAfterScores(), (_features(),), {})),
     "not_attention_softmax_over_queries": _seeded(lambda: (NotAttention(), (_features(),), {})),

@@ -34,6 +34,7 @@ EXPECTED = {
     "sdpa_gqa_bool_mask": ([SDPA], "gathered"),
     "sdpa_per_head_bias_6_heads": ([SDPA], "one"),
     "other_spellings": (["matmul_softmax"] * 3, "one"),
+    "key_transposed_by_its_permute": (["matmul_softmax"], "one"),
     "flex_documents_alibi": (["flex_attention"], "one"),
     "attention_weights_returned": (["matmul_softmax"], "one"),
     "value_after_scores": (["matmul_softmax"], "each"),

@@ -216,6 +216,18 @@ def test_recognize_causal_convolution(fake_group):
     assert report.fallbacks == [] and calls(gm, gather_seq) == []
 
 
+def test_split_key_permutes(fake_group):
+    model, args, _ = FORMS["key_transposed_by_its_permute"]()
+    _, report = _report(fake_group, model, *args)
+    assert_expected_inline(_changes(report, "split_key_permutes"), """\
+-    k_1 = x_1.permute(0, 2, 3, 1)
+-    matmul = torch.matmul(q_1, k_1)
++    permute_4 = x_1.permute(0, 2, 1, 3)
++    transpose = permute_4.transpose(-2, -1)
++    matmul = torch.matmul(q_1, transpose)""")
+    assert [site.spelling for site in report.attention_sites] == ["matmul_softmax"]
+
+
 def test_drop_dead_values(fake_group):
     gm, report = _report(fake_group, DroppedMask(), _features())
     assert_expected_inline(_changes(report, "drop_dead_values"), """\
@@ -503,7 +515,7 @@ def test_every_pass_points_at_its_golden(fake_group):
     import sys
 
     _, report = _report(fake_group, SDPAttention(), _features())
-    assert len(report.graphs) == 21, list(report.graphs)  # every pass of a split graph ran
+    assert len(report.graphs) == 22, list(report.graphs)  # every pass of a split graph ran
     for name in report.graphs:
         module = getattr(ulysses_compile.passes.pipeline, name).__module__
         doc = sys.modules[module].__doc__

@@ -62,6 +62,7 @@ from ulysses_compile.passes.recognize_flash_attention import recognize_flash_att
 from ulysses_compile.passes.redistribute import redistribute
 from ulysses_compile.passes.regather_parameters import regather_parameters
 from ulysses_compile.passes.return_weight_inputs import return_weight_inputs
+from ulysses_compile.passes.split_key_permutes import split_key_permutes
 from ulysses_compile.passes.tile_mlp import tile_mlp
 from ulysses_compile.passes.tile_token_loss import tile_token_loss
 
@@ -83,6 +84,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> GraphReport:
         report.notes += _run(report, recognize_causal_mask, gm, ctx)
         _run(report, drop_dead_values, gm, ctx)
         _run(report, recognize_causal_convolution, gm, ctx)
+        _run(report, split_key_permutes, gm, ctx)
         detection = _run(report, detect_attention, gm, ctx)
         report.attention_sites = detection.sites
         report.rejected_attention += detection.rejected
