@@ -21,7 +21,7 @@ from models import (
     token_batch,
     zoo_inputs,
 )
-from multirank import assert_close, compare_model, run_ranks
+from multirank import assert_close, compare_model, run_ranks, step_against_eager
 from ulysses_compile.core.compat import run_and_get_code
 
 pytestmark = pytest.mark.multirank
@@ -322,6 +322,36 @@ def test_models_that_write_inputs_in_place_equal_to_eager(name, world_size):
     new_empty) were silently wrong: each conversion read the tensor before the writes. Every attention
     is parallelized, and DeepSeek-V3's keys are made in blocks, not gathered."""
     run_ranks(parallel_and_equal_to_eager, world_size, name)
+
+
+def zoo_rows_parallel_and_equal_to_eager(rank, world_size, name, impl):
+    from zoo_sweep import tiny_model
+
+    ids, labels = token_batch(seq=24)
+    torch.compiler.reset()
+    reports = step_against_eager(rank, tiny_model(name, impl), input_ids=ids, labels=labels, use_cache=False)
+    sites = [site for report in reports for site in report.attention_sites]
+    assert len(sites) == 2 and all("parallelized" in site.decision for site in sites), reports
+    kinds = [c.kind for report in reports for c in report.collectives]
+    assert kinds.count("seq_to_heads_qkv") + kinds.count("seq_to_heads") >= 2 and kinds.count("heads_to_seq") == 2
+    fallbacks = [f for report in reports for f in report.fallbacks]
+    notes = [note for report in reports for note in report.notes if "whole: it is gathered" in note]
+    if name == "deepseek_v32":
+        # the indexer: its keys read whole by the rank's queries (not the queries gathered), and its top-k
+        # positions gathered to build the attention's whole mask: two gathers, each of one value
+        assert len(notes) == 1 and "(matmul) keeps its rows and reads" in notes[0] and "[2, 1, 16, 24]" in notes[0]
+        assert [f.op for f in fallbacks] == ["scatter"], fallbacks
+        assert kinds.count("gather_seq") == 2, kinds
+    else:  # Gemma 3n's torch.multiply, GPT-1's key permuted from [B, S, H, D] in one step
+        assert fallbacks == [] and notes == [] and "gather_seq" not in kinds, reports
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, impl", [("deepseek_v32", "sdpa"), ("gemma3n_text", "sdpa"), ("openai-gpt", "eager")])
+def test_zoo_rows_once_gathering_are_parallel_and_equal_to_eager(name, impl, world_size):
+    """Rows of docs/zoo.md that gathered the sequence or ran replicated before: DeepSeek-V3.2's sparse
+    attention indexer, Gemma 3n's per-layer inputs (``torch.multiply``), OpenAI-GPT's attention."""
+    run_ranks(zoo_rows_parallel_and_equal_to_eager, world_size, name, impl)
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
