@@ -28,12 +28,12 @@ _OPERATOR_RENAMES = {
     "pos": "positive",
 }
 # Elementwise ops without ATen's pointwise tag: composites, ops their decompositions define, and ATen's
-# aliases of tagged ones (``torch.multiply`` is ``mul``; the list of torch's JIT ``normalize_ops``).
+# aliases of tagged ones (``torch.multiply`` is ``mul``), as torch's JIT ``normalize_ops`` maps them.
 _UNTAGGED_ELEMENTWISE = (
     "floor_divide", "polar", "hardswish", "log_sigmoid", "logsigmoid", "positive", "logical_not",
     "multiply", "divide", "subtract", "negative", "absolute", "fix", "greater", "greater_equal", "less",
     "less_equal", "not_equal", "arccos", "arcsin", "arctan", "arctan2", "arccosh", "arcsinh", "arctanh",
-    "special_expit", "special_exp2",
+    "special_expit", "special_exp2", "special_psi",
 )
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "int", "long", "bool")
 # Ops that keep their input's layout element for element though ATen does not call them pointwise: dtype

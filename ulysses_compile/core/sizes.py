@@ -38,6 +38,12 @@ def is_symbolic(value) -> bool:
     return isinstance(value, torch.SymInt)
 
 
+def size_hint(value) -> int:
+    """A size, or a symbolic one's example value (0 for one that has none; no guard is added): for
+    comparing costs."""
+    return (symbolic_hint(value) or 0) if is_symbolic(value) else int(value)
+
+
 def as_int(value):
     """A SymInt that is a constant (``(2*s27)//s27`` is 2) as an int; anything else unchanged."""
     if is_symbolic(value) and symbolic_expr(value).is_number:

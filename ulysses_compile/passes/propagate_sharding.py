@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.compat import symbolic_hint
 from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.core.fx_graph import ancestors, insert_part, method_or_function_args, mutated_arg
 from ulysses_compile.core.ops import spellings
@@ -62,7 +61,7 @@ from ulysses_compile.core.sharding import (
     sort_orders,
     with_dim,
 )
-from ulysses_compile.core.sizes import is_symbolic, same_size
+from ulysses_compile.core.sizes import is_symbolic, same_size, size_hint
 from ulysses_compile.passes.in_place_writes import alias_bases, is_gathering_index, may_alias, written_bases
 from ulysses_compile.passes.recognize_causal_convolution import causal_convolutions
 from ulysses_compile.passes.rules import RuleView, replicate_all, rule_for
@@ -431,9 +430,9 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
         seeded = _seed(node, value, view, ctx, rule, seq_dims, seq_lengths) \
             if starts_sharding and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None, False
-    # a move offered first: a rule that keeps one operand's rows and gathers the other has a decision too
-    decision = rule(node, view.overridden(moved)) if rule and moved else None
-    decision = decision or (rule(node, view) if rule else None)
+    decision = rule(node, view) if rule else None
+    if rule and moved and (decision is None or _reads_whole(decision, view)):
+        decision = rule(node, view.overridden(moved)) or decision
     if decision is None and rule:
         decision = _moved_decision(node, view, rule, seq_lengths)
     fallback = None
@@ -558,7 +557,7 @@ def _communicated(graph: fx.Graph, world_size: int) -> float:
             if isinstance(have, tuple) or not isinstance(value, torch.Tensor) or (arg, want) in seen:
                 continue
             seen.add((arg, want))
-            elements = value.numel() if not is_symbolic(value.numel()) else symbolic_hint(value.numel()) or 0
+            elements = size_hint(value.numel())
             if completed(have) != have:
                 total += 2 * elements
                 have = completed(have)
@@ -673,12 +672,18 @@ def _op(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
+def _reads_whole(decision, view: RuleView) -> bool:
+    """Whether a rule's decision takes a sequence-sharded input whole."""
+    return any(want == REPLICATE and is_sharded(view.placement(arg)) for arg, want in decision.inputs.items())
+
+
 def _whole_operands(node: fx.Node, sharding: NodeSharding, view: RuleView) -> list[str]:
     """A line for each sequence-sharded input of ``node`` that its rule takes whole (gathered) while the
     node keeps its rows: the rank's queries against every key of a sparse attention's indexer."""
     return [f"{node.name} ({_op(node)}) keeps its rows and reads {arg.name} "
             f"{list(view.value(arg).shape)} whole: it is gathered, not its other inputs"
-            for arg, want in sharding.inputs.items() if want is REPLICATE and is_sharded(view.placement(arg))]
+            for arg, want in sharding.inputs.items() if want == REPLICATE and is_sharded(view.placement(arg))
+            and isinstance(view.value(arg), torch.Tensor)]
 
 
 def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:

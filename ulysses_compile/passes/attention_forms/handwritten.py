@@ -41,7 +41,8 @@ SCORES = MATMUL + spellings("baddbmm", "einsum")
 VALUES = MATMUL + spellings("einsum")
 # Ops that may stand between q @ k^T, the softmax and @ v: scaling, masks, logit soft-capping (Gemma 2's
 # cap * tanh(scores / cap)), casts, dropout.
-BETWEEN = (*spellings("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "contiguous", "dropout"), *CASTS)
+BETWEEN = (*spellings("mul", "div", "add", "sub", "multiply", "divide", "subtract", "masked_fill", "where", "tanh",
+                     "contiguous", "dropout"), *CASTS)
 VIEWS = spellings("view", "reshape")
 EXTREMA = spellings("max", "min")  # torch.max(scores, floor) is elementwise with a tensor second operand
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ulysses_compile.core.fx_graph import method_or_function_args, normalize_dim
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import PARTIAL, REPLICATE, seq_shard, with_dim
+from ulysses_compile.core.sizes import size_hint
 from ulysses_compile.passes.rules import Decision, register
 
 
@@ -92,14 +93,15 @@ def matmul_rule(node, view):
 
 def _one_operand_whole(rule, node, view, operands) -> Decision | None:
     """Two operands sharded on dims that do not meet (the rank's queries against every key, as a sparse
-    attention's indexer scores them: ``q [B, S, H, D] @ k^T [B, 1, D, S]``): the smaller operand
-    arrives whole and the other keeps its rows, rather than both arriving whole."""
+    attention's indexer scores them: ``q [B, S, H, D] @ k^T [B, 1, D, S]``): the other operand's sharding
+    is given up for the smaller one (at a tie the second: the first keeps its rows, as the queries do)
+    rather than both arriving whole."""
     options = []
-    for whole in operands:
+    for index, whole in enumerate(operands):
         decision = rule(node, view.overridden({whole: REPLICATE}))
         if decision is not None:
-            options.append((view.value(whole).numel(), decision))
-    return min(options, key=lambda option: option[0])[1] if options else None
+            options.append((size_hint(view.value(whole).numel()), index == 0, decision))
+    return min(options, key=lambda option: option[:2])[2] if options else None
 
 
 @register(F.embedding)  # not torch.embedding: it takes (weight, indices)

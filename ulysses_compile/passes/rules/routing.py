@@ -227,7 +227,7 @@ def _permuted_like(view, node, args) -> Decision | None:
 
 @register(*(target for target in elementwise() if target not in CAST_LIKE), *LIKE, permuted=True)
 def permuted_pointwise_rule(node, view):
-    if node.target in spellings("floor_divide") or node.target in spellings("div") \
+    if node.target in spellings("floor_divide") or node.target in spellings("div", "divide") \
             and node.kwargs.get("rounding_mode") in ("floor", "trunc"):
         return _positions_divided(node, view)
     if node.target in LIKE:
