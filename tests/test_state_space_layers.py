@@ -131,6 +131,38 @@ def test_chunked_scans_run_on_the_rank_heads_equal_to_eager(world_size, seq):
     run_ranks(scans_equal_to_eager, world_size, seq)
 
 
+def tiny_mamba(seed: int = 0):
+    """transformers' Mamba (1): its selective scan as torch's generic ``associative_scan`` (odd and even
+    positions sliced along the sequence, the combine vmapped), which it takes under torch.compile."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        use_associative_scan=True))
+
+
+def mamba_scan_equal_to_eager(rank, world_size, seq):
+    ids, labels = token_batch(seq=seq)
+    ids, labels = ids % 96, labels.clamp(min=0) % 96
+    (report,) = step_against_eager(rank, tiny_mamba(), input_ids=ids, labels=labels, use_cache=False)
+    mixers = ["backbone.layers.0.mixer", "backbone.layers.1.mixer"]
+    assert not report.replicated and not report.fallbacks, str(report)
+    assert [line.split(":")[0] for line in report.off_sequence] == mixers, report.off_sequence
+    assert report.convolutions == mixers, str(report)
+    kinds = [call.kind for call in report.collectives]
+    # the scan's state updates (x·dt·B and exp(A·dt), [B, I, S, N]) leave the sequence by all-to-all; what
+    # is read whole instead is named in a note (C, [B, S, N], where its product keeps the state's rows)
+    whole = [note for note in report.notes if "whole: it is gathered" in note]
+    assert kinds.count("seq_to_heads") >= 2 * len(mixers) and kinds.count("gather_seq") == len(whole), str(report)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_mamba_associative_scan_runs_off_the_sequence_equal_to_eager(world_size):
+    run_ranks(mamba_scan_equal_to_eager, world_size, 32)
+
+
 def tiny_bamba():
     """transformers' Bamba: a Mamba 2 layer (8 heads in 2 groups), then an attention layer."""
     import transformers

@@ -49,6 +49,8 @@ __all__ = [
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "native_nn_functions",
+    "add_batch_dim",
+    "remove_batch_dim",
     "aten_overloads",
     "autograd_inside_an_op",
     "make_wrapper_subclass",
@@ -125,6 +127,9 @@ log_softmax_backward = torch.ops.aten._log_softmax_backward_data
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 native_nn_functions = torch._C._nn  # where Dynamo records F.linear, F.gelu, ...
+# vmap's entry and exit as Dynamo records them (torch's generic associative_scan vmaps its combine)
+from torch._functorch.predispatch import _add_batch_dim as add_batch_dim  # noqa: E402
+from torch._functorch.predispatch import _remove_batch_dim as remove_batch_dim  # noqa: E402
 
 
 def make_wrapper_subclass(cls, shape, like: torch.Tensor):

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ulysses_compile.core.collectives import insert_call, reblock_seq, rows_before, shift_seq
-from ulysses_compile.core.compat import statically_known_true
+from ulysses_compile.core.compat import add_batch_dim, remove_batch_dim, statically_known_true
 from ulysses_compile.core.fx_graph import (
     erase_unused,
     index_entries,
@@ -159,9 +159,9 @@ def _global_size(node: fx.Node, sharding, ctx) -> None:
 def new_tensor_rule(node, view):
     """``x.new_empty(sizes)`` with x's sharded sequence dim at the same place: a fresh tensor of no
     values yet, so each rank makes its own block of it, as DeepSeek-V3 makes the buffer it writes its
-    keys into. Otherwise (a filled one: a buffer filled by shifted writes, T5's labels, must stay whole)
-    the whole tensor, made from the global sizes on every rank: x's values are not read (only its dtype
-    and device), so x is not gathered for it."""
+    keys into. Otherwise (``new_zeros``, ``new_ones``, ``new_full``: a buffer filled by shifted writes,
+    T5's labels, must stay whole) the whole tensor, made from the global sizes on every rank: x's values
+    are not read (only its dtype and device), so x is not gathered for it."""
     source = node.args[0]
     factors = view.sharded(source) if is_rank_local(view.actual_placement(source)) else None
     out, value = view.value(node), view.value(source)
@@ -291,12 +291,34 @@ def repeat_interleave_rule(node, view):
     return Decision(seq_shard(dim, outer, inner * args["repeats"]), {source: view.placement(source)})
 
 
+def _slice_apart(node, dim, in_value, out):
+    """``aten.slice(x, dim, start, end, step)`` along a dim that is not the sharded one (the odd and even
+    positions torch's generic associative scan takes along a sequence held whole)."""
+    sliced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return None if normalize_dim(sliced, in_value.dim()) == dim else dim
+
+
+def _add_batch_dim(node, dim, in_value, out):
+    """vmap's ``_add_batch_dim(x, batch_dim, level)``: x seen without its batch dim, which must not be the
+    sharded one."""
+    batch_dim = normalize_dim(node.args[1], in_value.dim())
+    return None if dim == batch_dim else dim - (dim > batch_dim)
+
+
+def _remove_batch_dim(node, dim, in_value, out):
+    """vmap's ``_remove_batch_dim(x, level, batch_size, out_dim)``: the batch dim back at ``out_dim``."""
+    return dim + (dim >= normalize_dim(node.args[3], out.dim()))
+
+
 def _complex_view(node, dim, in_value, out):
     """``view_as_complex`` drops the trailing pair dim, ``view_as_real`` adds it: other dims stay."""
     return dim if dim < min(in_value.dim(), out.dim()) else None
 
 
 register(*TRANSPOSES)(_dim_map_rule(_transpose))
+register(torch.ops.aten.slice, torch.ops.aten.slice.Tensor)(_dim_map_rule(_slice_apart))
+register(add_batch_dim)(_dim_map_rule(_add_batch_dim))
+register(remove_batch_dim)(_dim_map_rule(_remove_batch_dim))
 register(*spellings("view_as_complex", "view_as_real"))(_dim_map_rule(_complex_view))
 register(*spellings("permute"))(_dim_map_rule(_permute))
 register(*spellings("movedim", "moveaxis"))(_dim_map_rule(_movedim))
