@@ -419,6 +419,16 @@ def test_a_new_tensor_not_made_in_blocks_is_made_whole_without_gathering_its_sou
     assert decision.output == REPLICATE and decision.inputs == {x: Shard(1)}
 
 
+@pytest.mark.parametrize("dim, placement", [(2, Shard(1)), (-1, Shard(1)), (1, None)],
+                         ids=["another dim", "negative dim", "the sharded dim"])
+def test_a_strided_aten_slice_keeps_the_sharding_of_another_dim(dim, placement):
+    """torch's generic associative_scan takes odd and even positions with ``aten.slice``; along a dim
+    other than the sharded one the sharding stays."""
+    node, (x,) = build(torch.ops.aten.slice, empty(B, S, H), dim, 0, -1, 2)
+    decision = decide(node, {x: Shard(1)})
+    assert (decision.output if decision else None) == placement
+
+
 def test_softmax_along_the_features_stays_sharded():
     node, (x,) = build(F.softmax, empty(B, S, H), dim=-1)
     decision = decide(node, {x: Shard(1)})

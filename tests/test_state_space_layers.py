@@ -160,7 +160,53 @@ def mamba_scan_equal_to_eager(rank, world_size, seq):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mamba_associative_scan_runs_off_the_sequence_equal_to_eager(world_size):
-    run_ranks(mamba_scan_equal_to_eager, world_size, 32)
+    run_ranks(mamba_scan_equal_to_eager, world_size, 30)
+
+
+class VmappedCentering(nn.Module):
+    """Attention, then each feature centred over the sequence under ``torch.vmap`` (over the features):
+    the mean inside the vmapped body would need a collective across the ranks' blocks."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        h = self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        centred = torch.vmap(lambda column: column - column.mean(1, keepdim=True), in_dims=2, out_dims=2)(h)
+        return centred.square().mean(), centred
+
+
+def test_a_vmapped_body_that_would_communicate_runs_on_whole_values(fake_group):
+    """No collective is placed inside a vmap (it would run on batched tensors): its input enters whole,
+    reported; the attention before it stays parallel."""
+    from ulysses_compile.core.compat import vmap_decrement_nesting, vmap_increment_nesting
+
+    fake_group(2)
+    torch.manual_seed(0)
+    (gm,) = rewritten_graphs(VmappedCentering(), (torch.randn(2, 32, 32),))
+    report = gm.meta["ulysses_report"]
+    assert "parallelized" in report.attention_sites[0].decision
+    (fallback,) = report.fallbacks
+    assert fallback.op == "_add_batch_dim" and "no collective runs inside vmap" in fallback.reason, fallback
+    nodes = list(gm.graph.nodes)
+    opened = [i for i, node in enumerate(nodes) if node.target is vmap_increment_nesting]
+    closed = [i for i, node in enumerate(nodes) if node.target is vmap_decrement_nesting]
+    inside = [node for node in nodes[opened[0]:closed[0]] if getattr(node.target, "__module__", "") ==
+              "ulysses_compile.core.collectives"]
+    assert len(opened) == len(closed) == 1 and inside == [], inside
+
+
+def vmapped_equal_to_eager(rank, world_size):
+    torch.manual_seed(0)
+    step_against_eager(rank, VmappedCentering(), torch.randn(2, 32, 32))
+
+
+@pytest.mark.multirank
+def test_a_vmapped_body_that_would_communicate_is_exact_at_two_ranks():
+    run_ranks(vmapped_equal_to_eager, 2)
 
 
 def tiny_bamba():

@@ -51,6 +51,8 @@ __all__ = [
     "native_nn_functions",
     "add_batch_dim",
     "remove_batch_dim",
+    "vmap_increment_nesting",
+    "vmap_decrement_nesting",
     "aten_overloads",
     "autograd_inside_an_op",
     "make_wrapper_subclass",
@@ -130,6 +132,8 @@ native_nn_functions = torch._C._nn  # where Dynamo records F.linear, F.gelu, ...
 # vmap's entry and exit as Dynamo records them (torch's generic associative_scan vmaps its combine)
 from torch._functorch.predispatch import _add_batch_dim as add_batch_dim  # noqa: E402
 from torch._functorch.predispatch import _remove_batch_dim as remove_batch_dim  # noqa: E402
+from torch._functorch.predispatch import _vmap_decrement_nesting as vmap_decrement_nesting  # noqa: E402
+from torch._functorch.predispatch import _vmap_increment_nesting as vmap_increment_nesting  # noqa: E402
 
 
 def make_wrapper_subclass(cls, shape, like: torch.Tensor):

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ulysses_compile.core.compat import add_batch_dim, vmap_decrement_nesting, vmap_increment_nesting
 from ulysses_compile.core.errors import UnsupportedError
 from ulysses_compile.core.fx_graph import ancestors, insert_part, method_or_function_args, mutated_arg
 from ulysses_compile.core.ops import spellings
@@ -112,6 +113,7 @@ class _GraphFacts:
     over_cache_heads: dict
     projections: dict[fx.Node, tuple[bool, int]]
     starts: set[fx.Node]  # where sharding may start
+    vmap_bodies: list[tuple[list[fx.Node], list[fx.Node]]]  # (the values entering a vmap, its body's nodes)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, ctx, sites: list) -> "_GraphFacts":
@@ -141,6 +143,7 @@ class _GraphFacts:
             over_cache_heads={site.node: site for site in sites if site.kv_on_cache_heads},
             projections=_projections_onto_heads(on_cache_heads.values(), ctx.parameters),
             starts=starts,
+            vmap_bodies=_vmap_bodies(gm.graph),
         )
 
 
@@ -181,8 +184,43 @@ def _settle(gm: fx.GraphModule, ctx, facts: _GraphFacts, moves: dict) -> "_Place
         for sort, reader in placed.stranded.items():
             refused.setdefault(sort, f"{reader.name} ({_op(reader)}) reads its rows before they are put back in "
                                      f"token order, so the sort runs on the whole sequence")
-        if not (found or placed.whole_writes or placed.stranded):
+        communicating = [entry for entry in _communicating_vmaps(facts.vmap_bodies, placed) if entry.name not in refused]
+        for entry in communicating:
+            refused[entry.name] = ("the vmapped body it enters would communicate between ranks (no collective "
+                                   "runs inside vmap), so it enters whole")
+        if not (found or placed.whole_writes or placed.stranded or communicating):
             return placed
+
+
+def _vmap_bodies(graph: fx.Graph) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+    """Each vmap in the graph (torch's generic associative scan vmaps its combine): the values entering
+    it (``_add_batch_dim``) and the nodes between its nesting's increment and decrement."""
+    nodes = list(graph.nodes)
+    opened, bodies = [], []
+    for index, node in enumerate(nodes):
+        if node.op == "call_function" and node.target is vmap_increment_nesting:
+            opened.append(index)
+        elif node.op == "call_function" and node.target is vmap_decrement_nesting and opened:
+            body = nodes[opened.pop():index + 1]
+            bodies.append(([n for n in body if n.op == "call_function" and n.target is add_batch_dim], body))
+    return bodies
+
+
+def _communicating_vmaps(bodies: list, placed: "_Placed") -> list[fx.Node]:
+    """The values entering each vmap whose body has a fallback or converts a rank-local value: a
+    collective there would run on batched tensors, so the vmap runs on whole values instead."""
+    fallbacks = {fallback.node for fallback in placed.fallbacks}
+    found = []
+    for entries, body in bodies:
+        for node in body:
+            sharding = sharding_of(node)
+            converts = sharding is not None and any(
+                is_rank_local(have := sharding_of(arg).output) and sharding.inputs.get(arg, REPLICATE) != have
+                for arg in node.all_input_nodes if sharding_of(arg) is not None)
+            if node.name in fallbacks or converts:
+                found += entries
+                break
+    return found
 
 
 def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
