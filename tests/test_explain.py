@@ -132,7 +132,7 @@ def test_dump_dir_holds_each_pass_and_the_report(fake_group, tmp_path):
     compiled(input_ids=ids, labels=labels, use_cache=False)
     (folder,) = (tmp_path / "rank0").iterdir()
     names = sorted(path.name for path in folder.iterdir())
-    assert names[0] == "00_captured.py" and "report.txt" in names and len(names) == 21 + 2  # the captured graph, 21 passes
+    assert names[0] == "00_captured.py" and "report.txt" in names and len(names) == 22 + 2  # the captured graph, 22 passes
     (after,) = folder.glob("*_insert_all_to_all.py")
     assert "seq_to_heads_qkv(" in after.read_text() and "seq_to_heads" not in (folder / "00_captured.py").read_text()
     assert "attention sites: 1" in (folder / "report.txt").read_text()
