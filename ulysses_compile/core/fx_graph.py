@@ -85,6 +85,12 @@ def erase_unused(node: fx.Node) -> None:
         erase_unused(source)
 
 
+def permute_dims(node: fx.Node) -> tuple:
+    """The dims of ``x.permute(*dims)``, ``x.permute(dims)`` or ``torch.permute(x, dims)``, as written."""
+    dims = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
+    return tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else tuple(dims)
+
+
 def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 

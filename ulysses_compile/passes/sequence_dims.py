@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ulysses_compile.core.fx_graph import index_entries, method_or_function_args, normalize_dim
+from ulysses_compile.core.fx_graph import index_entries, method_or_function_args, normalize_dim, permute_dims
 from ulysses_compile.core.ops import spellings
 from ulysses_compile.core.sharding import seq_factors
 from ulysses_compile.passes.rules.shape_ops import SPLITS, TRANSPOSES, UNBINDS, VIEWS, view_placement
@@ -60,9 +60,7 @@ def _source_dim(node: fx.Node, dim: int, parameters) -> tuple[fx.Node, int] | No
         a, b = (normalize_dim(args[name], value.dim()) for name in ("dim", "dim1"))
         return source, b if dim == a else a if dim == b else dim
     if target in spellings("permute"):
-        dims = node.args[1:] if len(node.args) > 1 else node.kwargs["dims"]
-        dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
-        return source, normalize_dim(dims[dim], value.dim())
+        return source, normalize_dim(permute_dims(node)[dim], value.dim())
     if target in spellings("unsqueeze"):
         inserted = normalize_dim(method_or_function_args(node, ("input", "dim"))["dim"], out.dim())
         return None if dim == inserted else (source, dim - (dim > inserted))

@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.fx_graph import fill_example_values
+from ulysses_compile.core.fx_graph import fill_example_values, permute_dims
 from ulysses_compile.core.ops import spellings
 
 PRODUCTS = (*spellings("matmul", "bmm"), operator.matmul)
@@ -78,8 +78,7 @@ def _dims(permute: fx.Node) -> list[int] | None:
     value = source.meta.get("example_value") if isinstance(source, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() < 3:
         return None
-    dims = permute.args[1:] if len(permute.args) > 1 else permute.kwargs.get("dims", ())
-    dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
+    dims = permute_dims(permute)
     if len(dims) != value.dim() or not all(isinstance(d, int) for d in dims):
         return None
     return [d % value.dim() for d in dims]

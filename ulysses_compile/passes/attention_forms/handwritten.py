@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from ulysses_compile.core.fx_graph import erase_unused, fill_example_values, method_or_function_args
+from ulysses_compile.core.fx_graph import erase_unused, fill_example_values, method_or_function_args, permute_dims
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.report import module_path
 from ulysses_compile.core.runtime import attention_output
@@ -219,9 +219,7 @@ def _transposed_last_dims(node):
     if node.op == "call_function" and node.target is getattr:
         return source if node.args[1] == "mT" else None
     if _is(node, spellings("permute")):
-        dims = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
-        dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
-        return source if [d % ndim for d in dims] == [*range(ndim - 2), ndim - 1, ndim - 2] else None
+        return source if [d % ndim for d in permute_dims(node)] == [*range(ndim - 2), ndim - 1, ndim - 2] else None
     if not _is(node, spellings("transpose", "swapaxes", "swapdims")) or len(node.args) < 3:
         return None
     return source if {d % ndim for d in node.args[1:3]} == {ndim - 2, ndim - 1} else None

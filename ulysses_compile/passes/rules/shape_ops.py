@@ -24,6 +24,7 @@ from ulysses_compile.core.fx_graph import (
     insert_part,
     method_or_function_args,
     normalize_dim,
+    permute_dims,
 )
 from ulysses_compile.core.ops import CASTS, spellings
 from ulysses_compile.core.runtime import causal_conv1d, owned_by, summed_away, zero_rows
@@ -212,10 +213,7 @@ def _transpose(node, dim, in_value, out):
 
 
 def _permute(node, dim, in_value, out):
-    dims = node.args[1:] if len(node.args) > 1 else node.kwargs["dims"]
-    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-        dims = dims[0]
-    return [normalize_dim(d, in_value.dim()) for d in dims].index(dim)
+    return [normalize_dim(d, in_value.dim()) for d in permute_dims(node)].index(dim)
 
 
 def _movedim(node, dim, in_value, out):
