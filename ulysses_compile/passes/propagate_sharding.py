@@ -210,17 +210,22 @@ def _communicating_vmaps(bodies: list, placed: "_Placed") -> list[fx.Node]:
     """The values entering each vmap whose body has a fallback or converts a rank-local value: a
     collective there would run on batched tensors, so the vmap runs on whole values instead."""
     fallbacks = {fallback.node for fallback in placed.fallbacks}
-    found = []
-    for entries, body in bodies:
-        for node in body:
-            sharding = sharding_of(node)
-            converts = sharding is not None and any(
-                is_rank_local(have := sharding_of(arg).output) and sharding.inputs.get(arg, REPLICATE) != have
-                for arg in node.all_input_nodes if sharding_of(arg) is not None)
-            if node.name in fallbacks or converts:
-                found += entries
-                break
-    return found
+
+    def communicates(node: fx.Node) -> bool:
+        return node.name in fallbacks or any(is_rank_local(have) and have != want
+                                             for _, have, want in _held_and_wanted(node))
+
+    return [entry for entries, body in bodies if any(communicates(node) for node in body) for entry in entries]
+
+
+def _held_and_wanted(node: fx.Node):
+    """For each placed input of a placed node: (the input, its placement, the placement the node reads it in)."""
+    sharding = sharding_of(node)
+    if sharding is None:
+        return
+    for arg in node.all_input_nodes:
+        if sharding_of(arg) is not None:
+            yield arg, sharding_of(arg).output, sharding.inputs.get(arg, REPLICATE)
 
 
 def _viewed_through(target: fx.Node, view: fx.Node, bases: dict) -> bool:
@@ -469,7 +474,7 @@ def _decide(node: fx.Node, value, view: RuleView, ctx, starts_sharding: bool, is
             if starts_sharding and rule and mutated_arg(node) is None else None
         return seeded or NodeSharding(_replicated_like(value), value), None, False
     decision = rule(node, view) if rule else None
-    if rule and moved and (decision is None or _reads_whole(decision, view)):
+    if rule and moved and (decision is None or _taken_whole(decision.inputs, view)):
         decision = rule(node, view.overridden(moved)) or decision
     if decision is None and rule:
         decision = _moved_decision(node, view, rule, seq_lengths)
@@ -585,12 +590,7 @@ def _communicated(graph: fx.Graph, world_size: int) -> float:
     gather the whole value, an all-reduce of a partial sum twice that, an all-to-all 1/P of it."""
     total, seen = 0.0, set()
     for node in graph.nodes:
-        sharding = sharding_of(node)
-        if sharding is None:
-            continue
-        for arg in node.all_input_nodes:
-            have = sharding_of(arg).output if sharding_of(arg) is not None else None
-            want = sharding.inputs.get(arg, REPLICATE)
+        for arg, have, want in _held_and_wanted(node):
             value = arg.meta.get("example_value")
             if isinstance(have, tuple) or not isinstance(value, torch.Tensor) or (arg, want) in seen:
                 continue
@@ -710,18 +710,18 @@ def _op(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
-def _reads_whole(decision, view: RuleView) -> bool:
-    """Whether a rule's decision takes a sequence-sharded input whole."""
-    return any(want == REPLICATE and is_sharded(view.placement(arg)) for arg, want in decision.inputs.items())
+def _taken_whole(inputs: dict, view: RuleView) -> list[fx.Node]:
+    """The sequence-sharded tensors among a rule's inputs that it takes whole (gathered)."""
+    return [arg for arg, want in inputs.items() if want == REPLICATE and is_sharded(view.placement(arg))
+            and isinstance(view.value(arg), torch.Tensor)]
 
 
 def _whole_operands(node: fx.Node, sharding: NodeSharding, view: RuleView) -> list[str]:
-    """A line for each sequence-sharded input of ``node`` that its rule takes whole (gathered) while the
-    node keeps its rows: the rank's queries against every key of a sparse attention's indexer."""
+    """A line for each sequence-sharded input of ``node`` that its rule takes whole while the node keeps
+    its rows: the rank's queries against every key of a sparse attention's indexer."""
     return [f"{node.name} ({_op(node)}) keeps its rows and reads {arg.name} "
             f"{list(view.value(arg).shape)} whole: it is gathered, not its other inputs"
-            for arg, want in sharding.inputs.items() if want == REPLICATE and is_sharded(view.placement(arg))
-            and isinstance(view.value(arg), torch.Tensor)]
+            for arg in _taken_whole(sharding.inputs, view)]
 
 
 def _fallback_report(node, view, reason, gathered: bool = True) -> Fallback:
