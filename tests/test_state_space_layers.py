@@ -201,7 +201,11 @@ def test_a_vmapped_body_that_would_communicate_runs_on_whole_values(fake_group):
 
 def vmapped_equal_to_eager(rank, world_size):
     torch.manual_seed(0)
-    step_against_eager(rank, VmappedCentering(), torch.randn(2, 32, 32))
+    (report,) = step_against_eager(rank, VmappedCentering(), torch.randn(2, 32, 32))
+    kinds = [call.kind for call in report.collectives]
+    assert "parallelized" in report.attention_sites[0].decision, str(report)
+    assert kinds.count("seq_to_heads_qkv") == kinds.count("heads_to_seq") == 1, kinds
+    assert [fallback.op for fallback in report.fallbacks] == ["_add_batch_dim"], str(report)
 
 
 @pytest.mark.multirank
